@@ -1,0 +1,189 @@
+"""The ``softprior`` command line. Every command calls the same library functions as the Python API.
+Bad input gets a one-line error naming the bad value and the allowed ones, and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["main"]
+
+
+class CliError(Exception):
+    pass
+
+
+def _format_validation_error(e) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if not isinstance(x, int) or True)
+        parts.append(f"{loc or 'value'}: {err.get('msg')}" + (f" (got {err['input']!r})" if "input" in err and
+                                                                not isinstance(err["input"], dict) else ""))
+    return "; ".join(parts)
+
+
+def parse_gates(text: str | None) -> tuple:
+    """'pos=0,content=0' -> (0.0, 0.0); a missing gate keeps the model's own value (None)."""
+    if not text:
+        return None, None
+    allowed = ("pos", "content")
+    vals: dict[str, float | None] = {}
+    for item in text.split(","):
+        if "=" not in item:
+            raise CliError(f"malformed gate override {item!r} in --gates {text!r}; expected e.g. pos=0,content=0")
+        k, v = (s.strip() for s in item.split("=", 1))
+        if k not in allowed:
+            raise CliError(f"unknown gate {k!r} in --gates {text!r}; allowed: {', '.join(allowed)}")
+        if v in ("model", "learned"):
+            vals[k] = None
+            continue
+        try:
+            f = float(v)
+        except ValueError:
+            raise CliError(f"gate value {v!r} for {k} is not a number in [0, 1] (or 'model')") from None
+        if not 0.0 <= f <= 1.0:
+            raise CliError(f"gate value {f} for {k} must lie in [0, 1]")
+        vals[k] = f
+    return vals.get("pos"), vals.get("content")
+
+
+def _store(args):
+    from .store import RunStore
+    return RunStore(args.store)
+
+
+def _print_result(summary: dict, as_json: bool, extra_lines=()):
+    m = summary.get("metric", "acc")
+    if not as_json:
+        for line in extra_lines:
+            print(line)
+        print(f"normal {m}: {summary[f'normal_{m}']:.4f}   zero-gate {m}: {summary[f'zero_{m}']:.4f}   "
+              f"(chance {summary.get('chance', float('nan')):.3f})")
+    else:
+        print(json.dumps(summary, sort_keys=True))
+
+
+# ------------------------------------------------------------------------------------------ commands
+def cmd_train(args) -> int:
+    from .config import make_run_config
+    from .runner import run
+    from .train import build_model
+
+    cfg = make_run_config(args.task, args.path, args.seed, model=args.model, steps=args.steps,
+                          **({"checkpoint_every": args.checkpoint_every} if args.checkpoint_every else {}))
+    store = _store(args)
+    n_params = build_model(cfg).n_params()
+    was_done = store.is_done(cfg.run_id)
+    print(f"run {cfg.run_id}: task={cfg.task.name} path={cfg.path.name} seed={cfg.seed} "
+          f"model={args.model} params={n_params:,} steps={cfg.total_steps}"
+          + ("  [already in store: not retrained]" if was_done else ""), file=sys.stderr if args.json else sys.stdout)
+    t0 = time.perf_counter()
+    summary = dict(run(cfg, store, progress=not args.no_progress))
+    if was_done:
+        summary["cached"] = True
+    summary.setdefault("seconds", round(time.perf_counter() - t0, 3))
+    _print_result(summary, args.json)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from .tasks import make_task
+    from .train import evaluate
+
+    store = _store(args)
+    cfg, model = store.load_model(args.run_id)
+    gp, gc = parse_gates(args.gates)
+    task = make_task(cfg.task)
+    length = args.length or cfg.model.n_ctx
+    if length < task.min_length():
+        raise CliError(f"--length {length} is too short for {cfg.task.name}; minimum {task.min_length()}")
+    val = task.sample(cfg.n_val, length, torch.Generator().manual_seed(cfg.val_seed))
+    res = evaluate(model, task, val.inputs, val.targets, gp, gc)
+    with torch.no_grad():
+        g_pos, g_content = model.gates(gp, gc)
+    out = {"run_id": cfg.run_id, "metric": task.metric, task.metric: res[task.metric], "loss": res["loss"],
+           "length": length, "g_pos": float(g_pos.mean()), "g_content": float(g_content.mean()),
+           "chance": task.chance}
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    else:
+        print(f"run {cfg.run_id} ({cfg.task.name}, {cfg.path.name}, seed {cfg.seed}) at length {length}, "
+              f"g_pos={out['g_pos']:.3f} g_content={out['g_content']:.3f}: "
+              f"{task.metric} {res[task.metric]:.4f}, loss {res['loss']:.4f} (chance {task.chance:.3f})")
+    return 0
+
+
+def cmd_paths(args) -> int:
+    from .paths import list_paths
+    for name, desc in list_paths():
+        print(f"{name:<22} {desc}")
+    return 0
+
+
+def cmd_tasks(args) -> int:
+    from .tasks import list_tasks
+    for name, desc in list_tasks():
+        print(f"{name:<14} {desc}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ parser
+def build_parser() -> argparse.ArgumentParser:
+    from .model import MODEL_PRESETS
+    p = argparse.ArgumentParser(prog="softprior", description="Annealable soft-prior Transformers: train, "
+                                "evaluate and reproduce circuit-removability experiments.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train one run (skipped if already in the store)")
+    t.add_argument("--task", default="assoc_recall")
+    t.add_argument("--path", default="fade600")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--model", default="base", help=f"one of {', '.join(MODEL_PRESETS)}")
+    t.add_argument("--steps", type=int, default=None, help="step budget (default 3600)")
+    t.add_argument("--checkpoint-every", type=int, default=0, help="steps between resumable checkpoints")
+    t.add_argument("--store", default="runs")
+    t.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a stored run under a gate override")
+    e.add_argument("run_id")
+    e.add_argument("--gates", default=None, help="e.g. pos=0,content=0 (missing gates keep the model's)")
+    e.add_argument("--length", type=int, default=None, help="sequence length (default: the training context)")
+    e.add_argument("--store", default="runs")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(fn=cmd_eval)
+
+    sub.add_parser("paths", help="list training paths").set_defaults(fn=cmd_paths)
+    sub.add_parser("tasks", help="list tasks").set_defaults(fn=cmd_tasks)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    from .store import StoreError
+
+    args = build_parser().parse_args(argv)
+    if getattr(args, "steps", None) is not None and args.steps < 1:
+        print(f"softprior: error: --steps must be a positive integer, got {args.steps}", file=sys.stderr)
+        return 2
+    try:
+        return args.fn(args)
+    except ValidationError as e:
+        print(f"softprior: error: invalid configuration: {_format_validation_error(e)}", file=sys.stderr)
+    except (CliError, StoreError, ValueError, KeyError) as e:
+        msg = e.args[0] if e.args else str(e)
+        print(f"softprior: error: {msg}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("softprior: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Run configuration: everything that determines a run's numbers, hashed into its run id.
+
+Training defaults follow SPEC section 7: AdamW, lr 1e-3, weight decay 0.01, gradient clipping at
+norm 1.0 (per run), batch 64, fresh batches each step from the run's seeded generator, 512 validation
+examples from a fixed validation seed, 3,600 steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .model import ModelConfig, model_preset
+from .paths import PathConfig, get_path
+from .tasks import TaskConfig, task_config
+
+__all__ = ["RunConfig", "make_run_config", "NON_SEMANTIC_FIELDS"]
+
+# fields that do not change a run's numbers, so they are left out of its hash
+NON_SEMANTIC_FIELDS = {"checkpoint_every", "label"}
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task: TaskConfig
+    model: ModelConfig
+    path: PathConfig
+    seed: int = Field(0, ge=0)
+    steps: int = Field(3600, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm per run; None disables")
+    eval_every: int = Field(150, ge=1)
+    n_val: int = Field(512, ge=1)
+    val_seed: int = Field(1_000_003, ge=0, description="fixed validation seed, shared by all runs")
+    checkpoint_every: int = Field(0, ge=0, description="steps between resumable checkpoints (0: never)")
+    label: str = Field("", description="free text, not hashed")
+
+    @model_validator(mode="after")
+    def _check(self):
+        t, m = self.task, self.model
+        if t.name == "linear_icl":
+            if m.d_in != t.d or m.d_out != 1:
+                raise ValueError(f"model.d_in must be {t.d} and model.d_out 1 for linear_icl")
+        elif m.d_in is not None or m.vocab != t.vocab:
+            raise ValueError(f"model.vocab must equal task.vocab={t.vocab} and d_in be None for {t.name}")
+        return self
+
+    @property
+    def total_steps(self) -> int:
+        return self.path.steps or self.steps
+
+    def canonical(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude=NON_SEMANTIC_FIELDS)
+
+    @property
+    def run_id(self) -> str:
+        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def parent(self) -> "RunConfig | None":
+        """The run a derived path (post hoc continuation) starts from."""
+        if self.path.parent is None:
+            return None
+        return self.model_copy(update={"path": self.path.parent,
+                                       "steps": self.path.parent_steps or self.steps})
+
+
+def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "unforced", seed: int = 0,
+                    model: str | ModelConfig = "base", steps: int | None = None,
+                    task_options: dict | None = None, model_options: dict | None = None,
+                    **overrides) -> RunConfig:
+    """Build a RunConfig from names (as the CLI does) plus overrides."""
+    tcfg = task_config(task, **(task_options or {})) if isinstance(task, str) else task
+    pcfg = get_path(path) if isinstance(path, str) else path
+    io = dict(d_in=tcfg.d, d_out=1) if tcfg.name == "linear_icl" else dict(vocab=tcfg.vocab)
+    if isinstance(model, str):
+        mcfg = model_preset(model, **{**io, **(model_options or {})})
+    else:
+        mcfg = model.model_copy(update=io)
+    if steps is not None:
+        overrides["steps"] = steps
+    return RunConfig(task=tcfg, model=mcfg, path=pcfg, seed=seed, **overrides)

@@ -1,0 +1,286 @@
+"""The annealable soft-prior Transformer (SPEC section 2; arXiv 2609.10287).
+
+A causal, attention-only Transformer: token embedding, L blocks of pre-LayerNorm multi-head
+self-attention with residual connections, a final LayerNorm, and an unembedding tied to the token
+embedding. There is no positional encoding other than the priors, so at zero gate this is a plain
+causal NoPE attention-only Transformer. Attention logits of head h (the paper's equation):
+
+    S_ij = Q_i K_j^T / sqrt(d_head) + g_pos * B^pos_h[i - j] + g_content * B^content_h(x_i, x_j)
+
+then the causal mask, then softmax.
+
+- B^pos is a learned table over relative offsets 0..n_ctx-1 per head and layer. Offsets at or beyond
+  n_ctx (only at evaluation lengths > n_ctx) are clipped to the last learned offset.
+- B^content is a learned rank-r bilinear form of the two tokens' LayerNorm-ed residual vectors:
+  B^content_h(x_i, x_j) = (x_i U_h) . (x_j V_h), U_h, V_h in R^{d x r}.
+- Gates g_pos, g_content are separate; each is either learned (sigmoid of a logit) or forced to a
+  value (a float or tensor passed to ``forward``: fixed, scheduled, or an evaluation override).
+  Gate granularity: one logit per kind shared by all layers ("shared"), per layer, or per head.
+
+Intermediates are exposed TransformerLens-style under stable hook names (see ``hook_names``):
+``blocks.{l}.hook_resid_pre``, ``blocks.{l}.attn.hook_q|hook_k|hook_v`` [B, T, H, d_head],
+``blocks.{l}.attn.hook_pos_bias`` [H, Tq, T] (ungated), ``blocks.{l}.attn.hook_content_bias``
+[B, H, Tq, T] (ungated), ``blocks.{l}.attn.hook_attn_scores`` [B, H, Tq, T] (priors added, masked),
+``blocks.{l}.attn.hook_pattern``, ``blocks.{l}.attn.hook_z`` [B, Tq, H, d_head],
+``blocks.{l}.attn.hook_result`` [B, Tq, H, d_model] (each head's output; only computed when asked
+for), ``blocks.{l}.hook_attn_out``, ``blocks.{l}.hook_resid_post``, ``ln_final.hook_normalized``.
+``run_with_cache`` returns them by name; ``hooks(...)`` installs functions that may replace them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterable, Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["ModelConfig", "SoftPriorTransformer", "MODEL_PRESETS", "model_preset", "UnknownModelError"]
+
+
+class UnknownModelError(ValueError):
+    pass
+
+
+class ModelConfig(BaseModel):
+    """Architecture and initialisation. Input/output kinds are filled in from the task."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n_layers: int = Field(2, ge=1)
+    n_heads: int = Field(4, ge=1)
+    d_model: int = Field(64, ge=2)
+    n_ctx: int = Field(32, ge=2, description="training context length; the B^pos table has n_ctx offsets")
+    vocab: int = Field(32, ge=2, description="token vocabulary (token tasks)")
+    d_in: int | None = Field(None, ge=1, description="vector input size (linear ICL); None for tokens")
+    d_out: int | None = Field(None, ge=1, description="vector output size (linear ICL); None for tied unembedding")
+    content_rank: int = Field(2, ge=1, description="rank r of the bilinear content bias")
+    gate_granularity: Literal["shared", "layer", "head"] = "shared"
+    gate_logit_init: float = 0.0
+    embed_init_std: float = Field(1.0, gt=0, description="std of the token embedding (PyTorch's default is 1.0)")
+    content_init_std: float = Field(0.02, ge=0)
+    prior_init: Literal["zero", "locality"] = Field(
+        "locality", description="B^pos init: zero, or B[h, r] = -scale (r - h)^2 on prior_layers")
+    prior_layers: tuple[int, ...] = (0,)
+    prior_scale: float = 1.0
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        bad = [l for l in self.prior_layers if not 0 <= l < self.n_layers]
+        if bad:
+            raise ValueError(f"prior_layers {bad} out of range for n_layers={self.n_layers}")
+        return self
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+
+MODEL_PRESETS = {
+    "base": dict(n_layers=2, n_heads=4, d_model=64),
+    "large": dict(n_layers=4, n_heads=4, d_model=128),
+}
+
+
+def model_preset(name: str, **overrides) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise UnknownModelError(f"unknown model {name!r}; allowed: {', '.join(MODEL_PRESETS)}")
+    return ModelConfig(**{**MODEL_PRESETS[name], **overrides})
+
+
+# ------------------------------------------------------------------------------------------ hooks
+class HookState:
+    """Shared by every module of one model. Inactive (the default) it costs one attribute check."""
+
+    def __init__(self):
+        self.fns: dict[str, list[Callable]] = {}
+        self.cache: dict[str, torch.Tensor] | None = None
+        self.cache_filter: Callable[[str], bool] | None = None
+        self.active = False
+
+    def wants(self, name: str) -> bool:
+        return self.active and (name in self.fns or (self.cache is not None and self.cache_filter(name)))
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return t
+        for fn in self.fns.get(name, ()):
+            out = fn(t, name)
+            if out is not None:
+                t = out
+        if self.cache is not None and self.cache_filter(name):
+            self.cache[name] = t.detach()
+        return t
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, hooks: HookState):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self._hooks = [hooks]  # a list, so nn.Module does not register it as state
+        d, H, r = cfg.d_model, cfg.n_heads, cfg.content_rank
+        # fused projection: Q, K, V (d each) and the content-bias factors U, V (H*r each)
+        self.in_proj = nn.Linear(d, 3 * d + 2 * H * r, bias=False)
+        self.out_proj = nn.Linear(d, d, bias=False)
+        self.pos_bias = nn.Parameter(torch.zeros(H, cfg.n_ctx))  # B^pos[h, offset]
+        with torch.no_grad():
+            self.in_proj.weight[3 * d:].normal_(0.0, cfg.content_init_std)
+            if cfg.prior_init == "locality" and layer in cfg.prior_layers:
+                r_ = torch.arange(cfg.n_ctx, dtype=torch.float32)
+                h_ = torch.arange(H, dtype=torch.float32)[:, None]
+                self.pos_bias.copy_(-cfg.prior_scale * (r_ - h_) ** 2)  # head h centred on offset h
+
+    def forward(self, x: torch.Tensor, g_pos: torch.Tensor, g_content: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, d] (already LayerNorm-ed). g_*: [H]. positions: query positions to compute
+        (None = all). Returns [B, Tq, d]."""
+        hk, cfg = self._hooks[0], self.cfg
+        B, T, d = x.shape
+        H, dh, r = cfg.n_heads, cfg.d_head, cfg.content_rank
+        pre = f"blocks.{self.layer}.attn."
+        q, k, v, u, w = self.in_proj(x).split([d, d, d, H * r, H * r], dim=-1)
+        qpos = torch.arange(T) if positions is None else positions
+        if positions is not None:
+            q, u = q[:, positions], u[:, positions]
+        Tq = q.shape[1]
+        q = hk(pre + "hook_q", q.view(B, Tq, H, dh)).transpose(1, 2)  # (B, H, Tq, dh)
+        k = hk(pre + "hook_k", k.view(B, T, H, dh)).transpose(1, 2)  # (B, H, T, dh)
+        v = hk(pre + "hook_v", v.view(B, T, H, dh)).transpose(1, 2)  # (B, H, T, dh)
+
+        offsets = (qpos[:, None] - torch.arange(T)[None, :]).clamp(0, cfg.n_ctx - 1)  # (Tq, T)
+        b_pos = hk(pre + "hook_pos_bias", self.pos_bias[:, offsets])  # (H, Tq, T)
+        u = u.view(B, Tq, H, r).transpose(1, 2)  # (B, H, Tq, r)
+        w = w.view(B, T, H, r).transpose(1, 2)  # (B, H, T, r)
+        b_content = hk(pre + "hook_content_bias", u @ w.transpose(-1, -2))  # (B, H, Tq, T)
+
+        # the paper's equation
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(dh) \
+            + g_pos.view(H, 1, 1) * b_pos + g_content.view(H, 1, 1) * b_content
+        causal = qpos[:, None] >= torch.arange(T)[None, :]
+        scores = hk(pre + "hook_attn_scores", scores.masked_fill(~causal, float("-inf")))
+        pattern = hk(pre + "hook_pattern", scores.softmax(-1))
+        z = hk(pre + "hook_z", (pattern @ v).transpose(1, 2))  # (B, Tq, H, dh)
+        if hk.wants(pre + "hook_result"):  # each head's contribution to the residual stream
+            W_O = self.out_proj.weight.T.view(H, dh, d)
+            hk(pre + "hook_result", torch.einsum("bqhe,hed->bqhd", z, W_O))
+        return self.out_proj(z.reshape(B, Tq, d))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, hooks: HookState):
+        super().__init__()
+        self.layer = layer
+        self._hooks = [hooks]
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg, layer, hooks)
+
+    def forward(self, x, g_pos, g_content, positions=None):
+        hk, pre = self._hooks[0], f"blocks.{self.layer}."
+        x = hk(pre + "hook_resid_pre", x)
+        a = hk(pre + "hook_attn_out", self.attn(self.ln(x), g_pos, g_content, positions))
+        if positions is not None:
+            x = x[:, positions]
+        return hk(pre + "hook_resid_post", x + a)
+
+
+class SoftPriorTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.hook_state = HookState()
+        d = cfg.d_model
+        if cfg.d_in is None:
+            self.embed = nn.Embedding(cfg.vocab, d)
+            nn.init.normal_(self.embed.weight, 0.0, cfg.embed_init_std)
+        else:
+            self.read_in = nn.Linear(cfg.d_in, d)
+        self.blocks = nn.ModuleList(Block(cfg, l, self.hook_state) for l in range(cfg.n_layers))
+        self.ln_final = nn.LayerNorm(d)
+        if cfg.d_out is not None:
+            self.read_out = nn.Linear(d, cfg.d_out)
+        shape = {"shared": (1, 1), "layer": (cfg.n_layers, 1), "head": (cfg.n_layers, cfg.n_heads)}
+        # gate_logits[0] -> position gate, [1] -> content gate
+        self.gate_logits = nn.Parameter(torch.full((2, *shape[cfg.gate_granularity]), cfg.gate_logit_init))
+
+    # ---------------------------------------------------------------- gates
+    def gates(self, pos=None, content=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gate values [L, H] for (position, content). None = learned (sigmoid of the logit);
+        a float or tensor forces the gate (fixed/scheduled modes and evaluation overrides)."""
+        L, H = self.cfg.n_layers, self.cfg.n_heads
+        out = []
+        for i, forced in enumerate((pos, content)):
+            if forced is None:
+                g = torch.sigmoid(self.gate_logits[i])
+            else:
+                g = torch.as_tensor(forced, dtype=self.gate_logits.dtype)
+            out.append(g.expand(L, H) if g.dim() else g.view(1, 1).expand(L, H))
+        return out[0], out[1]
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, inputs: torch.Tensor, gate_pos=None, gate_content=None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs: [B, T] tokens or [B, T, d_in] vectors. Returns logits [B, T, vocab] (or
+        [B, T, d_out]); with ``positions`` only those positions, and the last layer computes queries
+        only there."""
+        hk = self.hook_state
+        gp, gc = self.gates(gate_pos, gate_content)
+        x = self.embed(inputs) if self.cfg.d_in is None else self.read_in(inputs)
+        x = hk("hook_embed", x)
+        last = len(self.blocks) - 1
+        for l, block in enumerate(self.blocks):
+            x = block(x, gp[l], gc[l], positions if l == last else None)
+        x = hk("ln_final.hook_normalized", self.ln_final(x))
+        if self.cfg.d_out is None:
+            return x @ self.embed.weight.T  # tied unembedding
+        return self.read_out(x)
+
+    # ---------------------------------------------------------------- hooks / cache
+    def hook_names(self) -> list[str]:
+        names = ["hook_embed"]
+        for l in range(self.cfg.n_layers):
+            names += [f"blocks.{l}.hook_resid_pre"]
+            names += [f"blocks.{l}.attn.{n}" for n in ("hook_q", "hook_k", "hook_v", "hook_pos_bias",
+                      "hook_content_bias", "hook_attn_scores", "hook_pattern", "hook_z", "hook_result")]
+            names += [f"blocks.{l}.hook_attn_out", f"blocks.{l}.hook_resid_post"]
+        return names + ["ln_final.hook_normalized"]
+
+    @contextlib.contextmanager
+    def hooks(self, fwd_hooks: Iterable[tuple[str, Callable]] = (), cache: dict | None = None,
+              names_filter: Callable[[str], bool] | None = None):
+        """Install forward hooks ``fn(tensor, name) -> tensor | None`` and/or a cache for the duration."""
+        hs = self.hook_state
+        known = set(self.hook_names())
+        for name, _ in fwd_hooks:
+            if name not in known:
+                raise KeyError(f"unknown hook {name!r}; see model.hook_names()")
+        old = (hs.fns, hs.cache, hs.cache_filter, hs.active)
+        hs.fns = {}
+        for name, fn in fwd_hooks:
+            hs.fns.setdefault(name, []).append(fn)
+        hs.cache, hs.cache_filter = cache, (names_filter or (lambda n: True))
+        hs.active = True
+        try:
+            yield self
+        finally:
+            hs.fns, hs.cache, hs.cache_filter, hs.active = old
+
+    def run_with_cache(self, inputs, *args, names_filter=None, **kwargs):
+        """Run forward and return (output, {hook name: tensor})."""
+        if isinstance(names_filter, str):
+            wanted = names_filter
+            names_filter = lambda n: n == wanted  # noqa: E731
+        elif isinstance(names_filter, (list, tuple, set)):
+            wanted_set = set(names_filter)
+            names_filter = lambda n: n in wanted_set  # noqa: E731
+        cache: dict[str, torch.Tensor] = {}
+        with self.hooks(cache=cache, names_filter=names_filter):
+            out = self(inputs, *args, **kwargs)
+        return out, cache
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

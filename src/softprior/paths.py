@@ -1,0 +1,195 @@
+"""Training paths (gate trajectories) as data.
+
+SPEC section 3: all paths share optimiser, model, data and step budget; they differ only in how
+strongly the prior is applied over training. A path is a gate config per gate kind (position and
+content) plus options. Each gate is in one of three modes (SPEC section 2):
+
+- ``learned``:   g = sigmoid(logit), the logit is trained (init from the model config);
+- ``fixed``:     g = value for the whole run (the logit is masked: it gets no gradient);
+- ``scheduled``: g = schedule(step) (logit masked).
+
+Named paths (``get_path``) cover the paper; new paths can be registered from Python
+(``register_path``) or loaded from a JSON/TOML file (``load_path_file``) with no library change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .schedules import Constant, Fade, HardSwitch, Linear, Schedule
+
+__all__ = [
+    "GateConfig", "PathConfig", "get_path", "register_path", "list_paths", "load_path_file",
+    "UnknownPathError",
+]
+
+
+class UnknownPathError(ValueError):
+    pass
+
+
+class GateConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["learned", "fixed", "scheduled"] = "learned"
+    value: float | None = Field(None, ge=0.0, le=1.0, description="the constant for mode=fixed")
+    schedule: Schedule | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "GateConfig":
+        if self.mode == "fixed" and self.value is None:
+            raise ValueError("gate mode 'fixed' needs a 'value' in [0, 1]")
+        if self.mode == "scheduled" and self.schedule is None:
+            raise ValueError("gate mode 'scheduled' needs a 'schedule'")
+        if self.mode == "learned" and (self.value is not None or self.schedule is not None):
+            raise ValueError("gate mode 'learned' takes neither 'value' nor 'schedule'")
+        return self
+
+    def value_at(self, step: int, total_steps: int) -> float | None:
+        """The forced gate value at ``step``, or None when the gate is learned."""
+        if self.mode == "learned":
+            return None
+        if self.mode == "fixed":
+            return float(self.value)
+        return float(self.schedule(step, total_steps))
+
+
+LEARNED = GateConfig(mode="learned")
+
+
+def _fixed(v: float) -> GateConfig:
+    return GateConfig(mode="fixed", value=v)
+
+
+def _sched(s) -> GateConfig:
+    return GateConfig(mode="scheduled", schedule=s)
+
+
+class PathConfig(BaseModel):
+    """One gate trajectory. ``parent`` makes a derived run (post hoc continuation): the run starts
+    from the final checkpoint of the same run config trained along ``parent`` for ``parent_steps``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    description: str = ""
+    pos: GateConfig = LEARNED
+    content: GateConfig = LEARNED
+    prior_dropout: float = Field(0.0, ge=0.0, lt=1.0,
+                                 description="fraction of steps on which both gates are forced to 0")
+    dual_loss: bool = Field(False, description="optimise loss(normal gates) + loss(zero gates)")
+    parent: "PathConfig | None" = None
+    parent_steps: int | None = Field(None, ge=1)
+    steps: int | None = Field(None, ge=1, description="overrides the run's step budget")
+
+
+# ---------------------------------------------------------------- registry of named paths
+_FIXED_PATHS: dict[str, PathConfig] = {}
+
+
+def register_path(path: PathConfig, *, overwrite: bool = False) -> PathConfig:
+    """Make ``path`` available by name to ``get_path`` and the CLI."""
+    if path.name in _FIXED_PATHS and not overwrite:
+        raise ValueError(f"path {path.name!r} is already registered (pass overwrite=True)")
+    _FIXED_PATHS[path.name] = path
+    return path
+
+
+register_path(PathConfig(name="unforced", description="both gates learned freely (sigmoid of a trained logit)"))
+register_path(PathConfig(name="forced_zero", description="g = 0 throughout: a plain NoPE model",
+                         pos=_fixed(0.0), content=_fixed(0.0)))
+register_path(PathConfig(name="forced_const0.5", description="g = 0.5 throughout",
+                         pos=_fixed(0.5), content=_fixed(0.5)))
+register_path(PathConfig(name="linear0.5->0", description="g linear from 0.5 at step 0 to 0 at the final step",
+                         pos=_sched(Linear()), content=_sched(Linear())))
+register_path(PathConfig(name="prior_dropout", description="unforced, but both gates are 0 on a random 50% of steps",
+                         prior_dropout=0.5))
+register_path(PathConfig(name="dual_loss", description="unforced, each step optimises loss(normal) + loss(zero gates)",
+                         dual_loss=True))
+register_path(PathConfig(
+    name="posthoc", description="post hoc continuation: an unforced run's final checkpoint, 2,550 more steps at g=0",
+    pos=_fixed(0.0), content=_fixed(0.0), parent=PathConfig(name="unforced"), steps=2550))
+
+_PATTERNS = [
+    (re.compile(r"^fade(\d+)(?:->0)?(?::(\w+))?$"), "fadeS->0[:shape]", "hold 0.5 until step S, fade to 0 over "
+     "450 steps (shape linear|cosine|convex|concave|two_step), then g=0"),
+    (re.compile(r"^(?:hard_)?switch(\d+)$"), "hard_switchS", "g=0.5 until step S, then 0"),
+    (re.compile(r"^forced_const([0-9.]+)$"), "forced_constC", "g = C throughout"),
+    (re.compile(r"^prior_dropout([0-9.]+)$"), "prior_dropoutF", "unforced, gates 0 on a random fraction F of steps"),
+]
+
+
+def get_path(name: str) -> PathConfig:
+    """Resolve a path name (a registered one, or a parametrised family such as ``fade600->0:cosine``)."""
+    if name in _FIXED_PATHS:
+        return _FIXED_PATHS[name]
+    if name.endswith((".json", ".toml")):
+        return load_path_file(name)
+    m = _PATTERNS[0][0].match(name)
+    if m:
+        start, shape = int(m.group(1)), (m.group(2) or "linear")
+        try:
+            fade = Fade(start_step=start, shape=shape)
+        except Exception:
+            raise UnknownPathError(f"unknown fade shape {shape!r} in path {name!r}; "
+                                   "allowed: linear, cosine, convex, concave, two_step") from None
+        canon = f"fade{start}->0" + ("" if shape == "linear" else f":{shape}")
+        return PathConfig(name=canon, description=f"hold 0.5 until {start}, {shape} fade to 0 over 450 steps",
+                          pos=_sched(fade), content=_sched(fade))
+    m = _PATTERNS[1][0].match(name)
+    if m:
+        at = int(m.group(1))
+        hs = HardSwitch(at=at)
+        return PathConfig(name=f"hard_switch{at}", description=f"g=0.5 until step {at}, then 0",
+                          pos=_sched(hs), content=_sched(hs))
+    m = _PATTERNS[2][0].match(name)
+    if m:
+        c = _float_in_unit(m.group(1), name)
+        return PathConfig(name=f"forced_const{c:g}", description=f"g = {c:g} throughout",
+                          pos=_fixed(c), content=_fixed(c))
+    m = _PATTERNS[3][0].match(name)
+    if m:
+        f = _float_in_unit(m.group(1), name)
+        return PathConfig(name=f"prior_dropout{f:g}", description=f"unforced, gates 0 on a random {f:g} of steps",
+                          prior_dropout=f)
+    raise UnknownPathError(f"unknown path {name!r}; allowed: {', '.join(_FIXED_PATHS)}, "
+                           "fadeS->0[:shape], hard_switchS, forced_constC, prior_dropoutF, or a .json/.toml file")
+
+
+def _float_in_unit(text: str, name: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise UnknownPathError(f"bad number {text!r} in path {name!r}") from None
+    if not 0.0 <= v < 1.0 + 1e-12:
+        raise UnknownPathError(f"value {v} in path {name!r} must lie in [0, 1]")
+    return v
+
+
+def load_path_file(file: str | Path) -> PathConfig:
+    """Load a PathConfig from a JSON or TOML file (the same fields as ``PathConfig``)."""
+    p = Path(file)
+    if not p.is_file():
+        raise UnknownPathError(f"path file {str(p)!r} does not exist")
+    text = p.read_text()
+    try:
+        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+        return PathConfig.model_validate(data)
+    except Exception as e:  # pydantic errors name the field
+        raise UnknownPathError(f"invalid path file {str(p)!r}: {e}") from None
+
+
+def list_paths() -> list[tuple[str, str]]:
+    """(name, one-line description) for every named path and parametrised family."""
+    rows = [(p.name, p.description) for p in _FIXED_PATHS.values()]
+    rows += [(name, desc) for _, name, desc in _PATTERNS]
+    return rows
+
+
+__all__ += ["Constant", "Linear", "Fade", "HardSwitch"]

@@ -1,0 +1,283 @@
+"""The embedded run store: a SQLite index plus one directory per run.
+
+    STORE/index.sqlite            runs(run_id, status, task, path, seed, model, config, summary, error, ...)
+    STORE/runs/RUN_ID/config.json
+    STORE/runs/RUN_ID/metrics.jsonl
+    STORE/runs/RUN_ID/final.safetensors      model weights (safetensors: never pickle)
+    STORE/runs/RUN_ID/summary.json
+    STORE/runs/RUN_ID/checkpoint.safetensors resumable state while a run is in progress
+
+Runs are keyed by a hash of their canonical config (``RunConfig.run_id``). Every file is written to a
+temporary name and renamed into place; only then is the run committed as done in SQLite, so a killed
+process leaves either a complete run or none. SQLite runs in WAL mode with a busy timeout; runs are
+claimed in an IMMEDIATE transaction so that two processes never train the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import RunConfig
+
+__all__ = ["RunStore", "StoreError", "RunNotFoundError", "load_results"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,            -- running | done | failed
+    task TEXT, path TEXT, seed INTEGER, model TEXT,
+    config TEXT NOT NULL,
+    summary TEXT,
+    error TEXT,
+    owner TEXT,
+    heartbeat REAL,
+    created REAL, updated REAL
+);
+"""
+
+STALE_SECONDS = 120.0  # a 'running' claim without a heartbeat for this long may be taken over
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class RunNotFoundError(StoreError):
+    pass
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={k: json.dumps(v) for k, v in (metadata or {}).items()})
+    os.replace(tmp, path)
+
+
+def _model_label(cfg: RunConfig) -> str:
+    m = cfg.model
+    return "large" if (m.n_layers, m.d_model) == (4, 128) else ("base" if (m.n_layers, m.d_model) == (2, 64)
+                                                                else f"L{m.n_layers}d{m.d_model}")
+
+
+class RunStore:
+    def __init__(self, root: str | os.PathLike = "runs"):
+        self.root = Path(root)
+        try:
+            (self.root / "runs").mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StoreError(f"store directory {str(self.root)!r} cannot be written: {e.strerror}") from None
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        with self._connect() as db:
+            db.executescript(_SCHEMA)
+
+    # ------------------------------------------------------------------ sqlite
+    @contextmanager
+    def _connect(self):
+        try:
+            db = sqlite3.connect(self.root / "index.sqlite", timeout=60.0, isolation_level=None)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open the index of store {str(self.root)!r}: {e}") from None
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA busy_timeout=60000")
+            db.row_factory = sqlite3.Row
+            yield db
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"store {str(self.root)!r} index is unreadable: {e}") from None
+        finally:
+            db.close()
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.root / "runs" / run_id
+
+    def status(self, run_id: str) -> str | None:
+        with self._connect() as db:
+            row = db.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        return row["status"] if row else None
+
+    def is_done(self, run_id: str) -> bool:
+        return self.status(run_id) == "done"
+
+    def claim(self, cfg: RunConfig) -> bool:
+        """Atomically mark ``cfg`` as running by this process. False if done or held by a live owner."""
+        now = time.time()
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                row = db.execute("SELECT status, owner, heartbeat FROM runs WHERE run_id=?",
+                                 (cfg.run_id,)).fetchone()
+                if row is not None:
+                    if row["status"] == "done":
+                        db.execute("ROLLBACK")
+                        return False
+                    if (row["status"] == "running" and row["owner"] != self.owner
+                            and now - (row["heartbeat"] or 0) < STALE_SECONDS):
+                        db.execute("ROLLBACK")
+                        return False
+                db.execute(
+                    "INSERT INTO runs(run_id, status, task, path, seed, model, config, owner, heartbeat, created, updated)"
+                    " VALUES(?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(run_id) DO UPDATE SET status='running', owner=excluded.owner,"
+                    " heartbeat=excluded.heartbeat, error=NULL, updated=excluded.updated",
+                    (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                     json.dumps(cfg.canonical(), sort_keys=True), self.owner, now, now, now))
+                db.execute("COMMIT")
+                return True
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def heartbeat(self, run_id: str) -> None:
+        with self._connect() as db:
+            db.execute("UPDATE runs SET heartbeat=? WHERE run_id=? AND owner=?", (time.time(), run_id, self.owner))
+
+    def release(self, run_id: str) -> None:
+        """Drop this process's claim on an unfinished run (e.g. on Ctrl-C)."""
+        with self._connect() as db:
+            db.execute("UPDATE runs SET heartbeat=0 WHERE run_id=? AND owner=? AND status='running'",
+                       (run_id, self.owner))
+
+    # ------------------------------------------------------------------ writing results
+    def save_result(self, result) -> None:
+        """Write a finished run's files atomically, then commit it as done."""
+        cfg = result.config
+        d = self.run_dir(cfg.run_id)
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_write_bytes(d / "config.json", cfg.model_dump_json(indent=2).encode())
+        _atomic_write_bytes(d / "metrics.jsonl",
+                            "".join(json.dumps(r, sort_keys=True) + "\n" for r in result.metrics).encode())
+        _atomic_save_tensors(d / "final.safetensors", result.state_dict, {"run_id": cfg.run_id})
+        _atomic_write_bytes(d / "summary.json", json.dumps(result.summary, indent=2, sort_keys=True).encode())
+        now = time.time()
+        with self._connect() as db:
+            db.execute(
+                "INSERT INTO runs(run_id, status, task, path, seed, model, config, summary, owner, created, updated)"
+                " VALUES(?, 'done', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(run_id) DO UPDATE SET status='done', summary=excluded.summary, error=NULL,"
+                " updated=excluded.updated",
+                (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                 json.dumps(cfg.canonical(), sort_keys=True), json.dumps(result.summary), self.owner, now, now))
+        (d / "checkpoint.safetensors").unlink(missing_ok=True)
+
+    def record_failure(self, cfg: RunConfig, error: str) -> None:
+        now = time.time()
+        with self._connect() as db:
+            db.execute(
+                "INSERT INTO runs(run_id, status, task, path, seed, model, config, error, owner, created, updated)"
+                " VALUES(?, 'failed', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(run_id) DO UPDATE SET status='failed', error=excluded.error, updated=excluded.updated",
+                (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                 json.dumps(cfg.canonical(), sort_keys=True), error, self.owner, now, now))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
+        d = self.run_dir(run_id)
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_save_tensors(d / "checkpoint.safetensors", ckpt["tensors"], {"meta": ckpt["meta"]})
+        self.heartbeat(run_id)
+
+    def load_checkpoint(self, run_id: str) -> dict | None:
+        f = self.run_dir(run_id) / "checkpoint.safetensors"
+        if not f.exists():
+            return None
+        try:
+            from safetensors import safe_open
+            with safe_open(str(f), framework="pt") as sf:
+                meta = json.loads(sf.metadata()["meta"])
+            return {"tensors": load_file(str(f)), "meta": meta}
+        except (SafetensorError, KeyError, ValueError, OSError):
+            return None  # a corrupt checkpoint is ignored: the run restarts from scratch
+
+    # ------------------------------------------------------------------ reading
+    def _row(self, run_id: str):
+        with self._connect() as db:
+            rows = db.execute("SELECT * FROM runs WHERE run_id LIKE ?", (run_id + "%",)).fetchall()
+        if not rows:
+            raise RunNotFoundError(f"run {run_id!r} not found in store {str(self.root)!r}")
+        if len(rows) > 1:
+            raise RunNotFoundError(f"run id prefix {run_id!r} is ambiguous: {', '.join(r['run_id'] for r in rows)}")
+        return rows[0]
+
+    def load_config(self, run_id: str) -> RunConfig:
+        row = self._row(run_id)
+        f = self.run_dir(row["run_id"]) / "config.json"
+        try:
+            return RunConfig.model_validate_json(f.read_text())
+        except (OSError, ValueError) as e:
+            raise StoreError(f"run {row['run_id']!r}: config.json is missing or corrupt ({type(e).__name__})") from None
+
+    def summary(self, run_id: str) -> dict:
+        row = self._row(run_id)
+        if row["status"] != "done":
+            raise RunNotFoundError(f"run {row['run_id']!r} is {row['status']}, not done")
+        return json.loads(row["summary"])
+
+    def metrics(self, run_id: str) -> list[dict]:
+        row = self._row(run_id)
+        f = self.run_dir(row["run_id"]) / "metrics.jsonl"
+        return [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+
+    def load_state(self, run_id: str) -> dict[str, torch.Tensor]:
+        row = self._row(run_id)
+        f = self.run_dir(row["run_id"]) / "final.safetensors"
+        if row["status"] != "done":
+            raise RunNotFoundError(f"run {row['run_id']!r} is {row['status']}, not done")
+        try:
+            return load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise StoreError(f"run {row['run_id']!r}: final.safetensors is missing or corrupt ({e})") from None
+
+    def load_model(self, run_id: str):
+        """(RunConfig, model with the final weights) for a finished run."""
+        from .train import build_model
+        cfg = self.load_config(run_id)
+        model = build_model(cfg)
+        try:
+            model.load_state_dict(self.load_state(run_id))
+        except RuntimeError as e:
+            raise StoreError(f"run {cfg.run_id!r}: checkpoint does not match its config ({str(e)[:200]})") from None
+        model.eval()
+        return cfg, model
+
+    def rows(self) -> list[dict]:
+        with self._connect() as db:
+            return [dict(r) for r in db.execute("SELECT * FROM runs ORDER BY created")]
+
+
+def load_results(store: str | os.PathLike | RunStore = "runs"):
+    """A pandas DataFrame with one row per finished run: config fields (flattened) plus summary."""
+    import pandas as pd
+
+    st = store if isinstance(store, RunStore) else RunStore(store)
+    records = []
+    for r in st.rows():
+        if r["status"] != "done":
+            continue
+        cfg = json.loads(r["config"])
+        flat = pd.json_normalize(cfg, sep=".").iloc[0].to_dict()
+        rec = {"run_id": r["run_id"], "status": r["status"], "model": r["model"], **flat}
+        rec.update(json.loads(r["summary"]))
+        records.append(rec)
+    return pd.DataFrame.from_records(records)

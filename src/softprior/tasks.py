@@ -1,0 +1,277 @@
+"""The three tasks of SPEC section 4, each a seeded batch generator with a loss, a metric and a
+stated chance level. Generators take an explicit ``torch.Generator``; no global random state.
+
+Associative recall (our own generator, in the spirit of zoology's MQAR):
+    [PAD ... PAD, k1 v1 k2 v2 ... kn vn, q]  ->  target v_i where k_i = q.
+    Token 0 is PAD; keys come from [1, 1 + n_keys), values from the top n_values tokens, so keys and
+    values are disjoint. Keys are distinct in a sequence and so are values: with values drawn with
+    replacement "predict the most frequent value in context" beats chance (SPEC section 8).
+    Sequences are left-padded to the requested length, so the same task runs at length 120.
+    Loss and accuracy on the final (query) position only. Chance = 1 / n_pairs.
+
+Markov induction with repeat probability p:
+    each sequence draws its own successor map s (a random bijection of V); x_0 is uniform;
+    x_{t+1} = s(x_t) with probability p, else uniform. The final token a is drawn uniformly from the
+    distinct tokens that occurred earlier directly followed by s(a); the target is s(a).
+    Chance is the best order-free heuristic (see ``Markov.chance``), since the target always occurs
+    in context and so guessing among seen tokens beats 1/V.
+
+Linear regression ICL (Garg et al. 2022; dtsip/in-context-learning):
+    w ~ N(0, I_d), x_k ~ N(0, I_d), y_k = w . x_k; the input is x_1, [y_1, 0..0], ..., x_n, [y_n, 0..0],
+    x_query (left-padded with zero vectors to the requested length). The model reads in with a linear
+    layer and reads out a scalar at every x position; the loss is the mean squared error over all x
+    positions (Garg's objective). The metric is the query's squared error divided by d, so the
+    zero predictor scores 1.0 (its "chance"); least squares is exact (0) once n >= d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Annotated, Literal, Union
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["AssocRecallConfig", "MarkovConfig", "LinearICLConfig", "TaskConfig", "Batch", "Task",
+           "make_task", "TASKS", "list_tasks", "UnknownTaskError"]
+
+
+class UnknownTaskError(ValueError):
+    pass
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor  # [B, T] long tokens, or [B, T, d] float vectors
+    targets: torch.Tensor  # [B] long (token tasks) or [B, P] float (linear ICL, one per x position)
+
+
+class _TaskBase(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class AssocRecallConfig(_TaskBase):
+    name: Literal["assoc_recall"] = "assoc_recall"
+    n_pairs: int = Field(10, ge=2)
+    vocab: int = Field(32, ge=5)
+    n_keys: int = Field(15, ge=2, description="keys are tokens 1..n_keys (0 is PAD)")
+
+    @model_validator(mode="after")
+    def _check(self):
+        n_values = self.vocab - 1 - self.n_keys
+        if n_values < self.n_pairs or self.n_keys < self.n_pairs:
+            raise ValueError(f"n_pairs={self.n_pairs} needs n_keys and vocab-1-n_keys (={n_values}) >= n_pairs")
+        return self
+
+
+class MarkovConfig(_TaskBase):
+    name: Literal["markov"] = "markov"
+    p: float = Field(0.5, gt=0.0, le=1.0)
+    vocab: int = Field(32, ge=4)
+
+
+class LinearICLConfig(_TaskBase):
+    name: Literal["linear_icl"] = "linear_icl"
+    d: int = Field(5, ge=1)
+
+
+TaskConfig = Annotated[Union[AssocRecallConfig, MarkovConfig, LinearICLConfig], Field(discriminator="name")]
+
+
+class Task:
+    """Common interface. ``metric`` is 'acc' (higher is better) or 'mse' (lower is better)."""
+
+    metric: str
+    input_kind: str  # "tokens" or "vectors"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        raise NotImplementedError
+
+    def loss_positions(self, length: int) -> torch.Tensor:
+        """Positions whose outputs carry loss (the model may compute only these in its last layer)."""
+        return torch.tensor([length - 1])
+
+    def min_length(self) -> int:
+        raise NotImplementedError
+
+    def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """out: [B, P, V] logits at ``loss_positions``."""
+        return F.cross_entropy(out[:, -1], targets)
+
+    def score(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The metric over a batch (a 0-d tensor): accuracy or query MSE."""
+        return (out[:, -1].argmax(-1) == targets).float().mean()
+
+    @property
+    def chance(self) -> float:
+        raise NotImplementedError
+
+
+class AssocRecall(Task):
+    metric = "acc"
+    input_kind = "tokens"
+
+    @property
+    def vocab(self) -> int:
+        return self.cfg.vocab
+
+    def min_length(self) -> int:
+        return 2 * self.cfg.n_pairs + 1
+
+    @property
+    def chance(self) -> float:
+        return 1.0 / self.cfg.n_pairs
+
+    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        c = self.cfg
+        if length < self.min_length():
+            raise ValueError(f"assoc_recall with n_pairs={c.n_pairs} needs length >= {self.min_length()}, got {length}")
+        n, B = c.n_pairs, batch_size
+        n_values = c.vocab - 1 - c.n_keys
+        # distinct keys / values: the first n of a random permutation (argsort of uniform noise)
+        keys = torch.rand(B, c.n_keys, generator=generator).argsort(-1)[:, :n] + 1
+        vals = torch.rand(B, n_values, generator=generator).argsort(-1)[:, :n] + (c.vocab - n_values)
+        which = torch.randint(0, n, (B,), generator=generator)
+        seq = torch.zeros(B, length, dtype=torch.long)
+        start = length - (2 * n + 1)
+        seq[:, start:start + 2 * n:2] = keys
+        seq[:, start + 1:start + 2 * n:2] = vals
+        seq[:, -1] = keys.gather(1, which[:, None])[:, 0]
+        return Batch(seq, vals.gather(1, which[:, None])[:, 0])
+
+
+class Markov(Task):
+    metric = "acc"
+    input_kind = "tokens"
+
+    @property
+    def vocab(self) -> int:
+        return self.cfg.vocab
+
+    def min_length(self) -> int:
+        return 4
+
+    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        c, B, V = self.cfg, batch_size, self.cfg.vocab
+        if length < 4:
+            raise ValueError(f"markov needs length >= 4, got {length}")
+        succ = torch.rand(B, V, generator=generator).argsort(-1)  # a random bijection per sequence
+        follow = torch.rand(B, length - 1, generator=generator) < c.p
+        noise = torch.randint(0, V, (B, length - 1), generator=generator)
+        seq = torch.empty(B, length, dtype=torch.long)
+        seq[:, 0] = noise[:, 0]
+        for t in range(1, length - 1):
+            nxt = succ.gather(1, seq[:, t - 1:t])[:, 0]
+            seq[:, t] = torch.where(follow[:, t], nxt, noise[:, t])
+        body = seq[:, : length - 1]
+        ok = body[:, 1:] == succ.gather(1, body[:, :-1])  # [B, length-2]: body[t+1] == s(body[t])
+        none = ~ok.any(1)
+        if none.any():  # guarantee one occurrence (rare: ~(1-p)^30)
+            rows = none.nonzero()[:, 0]
+            tt = torch.randint(0, length - 2, (len(rows),), generator=generator)
+            seq[rows, tt + 1] = succ[rows, seq[rows, tt]]
+            body = seq[:, : length - 1]
+            ok = body[:, 1:] == succ.gather(1, body[:, :-1])
+        # a is uniform over the *distinct* tokens with such an occurrence: picking an occurrence
+        # instead favours frequent tokens and leaks the answer to a most-frequent-token heuristic
+        cand = torch.zeros(B, V).scatter_add_(1, body[:, :-1], ok.float()) > 0
+        a = torch.where(cand, torch.rand(B, V, generator=generator), torch.full((B, V), -1.0)).argmax(1)
+        seq[:, -1] = a
+        return Batch(seq, succ.gather(1, a[:, None])[:, 0])
+
+    @cached_property
+    def _chance(self) -> float:
+        g = torch.Generator().manual_seed(0)
+        b = self.sample(8192, 32, g)
+        counts = F.one_hot(b.inputs[:, :-1], self.cfg.vocab).sum(1)  # [B, V]
+        guess_seen = (1.0 / (counts > 0).sum(1).float()).mean()
+        most_frequent = (counts.argmax(1) == b.targets).float().mean()
+        return float(max(guess_seen, most_frequent))
+
+    @property
+    def chance(self) -> float:
+        """The best order-free heuristic at the base length 32 (Monte Carlo, fixed seed): the larger of
+        guessing among the tokens seen and predicting the most frequent context token. Without an
+        induction lookup (using the token order) a model cannot beat it."""
+        return self._chance
+
+
+class LinearICL(Task):
+    metric = "mse"
+    input_kind = "vectors"
+    chance = 1.0  # the zero predictor's normalised MSE, E[y^2]/d = 1
+
+    @property
+    def d(self) -> int:
+        return self.cfg.d
+
+    def min_length(self) -> int:
+        return 3
+
+    def n_points(self, length: int) -> int:
+        return (length - 1) // 2
+
+    def loss_positions(self, length: int) -> torch.Tensor:
+        n = self.n_points(length)
+        start = length - (2 * n + 1)
+        return torch.arange(start, length, 2)  # the n in-context x positions and the query
+
+    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        d, B = self.cfg.d, batch_size
+        n = self.n_points(length)
+        if n < 1:
+            raise ValueError(f"linear_icl needs length >= 3, got {length}")
+        w = torch.randn(B, d, generator=generator)
+        x = torch.randn(B, n + 1, d, generator=generator)
+        y = torch.einsum("bkd,bd->bk", x, w)
+        seq = torch.zeros(B, length, d)
+        start = length - (2 * n + 1)
+        seq[:, start::2] = x
+        seq[:, start + 1::2, 0] = y[:, :n]
+        return Batch(seq, y)
+
+    def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out[..., 0], targets)
+
+    def score(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return ((out[:, -1, 0] - targets[:, -1]) ** 2).mean() / self.cfg.d
+
+    @staticmethod
+    def least_squares_mse(batch: Batch, d: int) -> float:
+        """Normalised query MSE of the least-squares (min-norm) estimate from the context points."""
+        seq, y = batch.inputs, batch.targets
+        n = y.shape[1] - 1
+        start = seq.shape[1] - (2 * n + 1)
+        X = seq[:, start::2][:, :n].double()
+        w = torch.linalg.pinv(X) @ y[:, :n, None].double()
+        pred = (seq[:, -1].double()[:, None] @ w)[:, 0, 0]
+        return float(((pred - y[:, -1].double()) ** 2).mean() / d)
+
+
+TASKS = {
+    "assoc_recall": (AssocRecallConfig, AssocRecall, "key/value pairs then a query key; predict its value (acc)"),
+    "markov": (MarkovConfig, Markov, "Markov induction: per-sequence successor map, repeat prob p (acc)"),
+    "linear_icl": (LinearICLConfig, LinearICL, "in-context linear regression, Garg et al. 2022 (query MSE / d)"),
+}
+
+
+def make_task(cfg) -> Task:
+    return TASKS[cfg.name][1](cfg)
+
+
+def task_config(name: str, **overrides):
+    if name not in TASKS:
+        raise UnknownTaskError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
+    return TASKS[name][0](**overrides)
+
+
+def list_tasks() -> list[tuple[str, str]]:
+    return [(k, v[2]) for k, v in TASKS.items()]
+
+
+__all__ += ["task_config"]

@@ -1,0 +1,201 @@
+"""The training loop: one run config in, one result out (pure; the run store does the I/O).
+
+Evaluation semantics (SPEC section 1):
+- "normal": the model's own gates, sigmoid(gate logit). For learned gates that is the trained
+  value. In fixed and scheduled modes the logit is masked (no gradient), so it stays at its
+  initial value (0 -> g = 0.5): a faded model evaluated "normally" has its prior switched back on.
+  This is the reading under which the paper's Table 1 has different normal and zero numbers for
+  fade600->0 and linear0.5->0 even though their gates end at 0.
+- "zero": both gates forced to 0: the plain NoPE model.
+The path's gate values at the evaluation step are logged beside them (``g_pos``, ``g_content``).
+
+Weight decay applies to the projection and embedding matrices only (not to LayerNorm, the prior
+tables or the gate logits), nanoGPT-style; the prior tables would otherwise be pulled to zero.
+
+Determinism: initialisation uses a forked global RNG seeded with the run seed; data, prior-dropout
+and validation use their own ``torch.Generator`` objects. Same config + seed + machine -> same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .config import RunConfig
+from .model import SoftPriorTransformer
+from .tasks import Task, make_task
+
+__all__ = ["train", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator"]
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+@dataclass
+class RunResult:
+    config: RunConfig
+    summary: dict
+    metrics: list[dict] = field(default_factory=list)
+    state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def seeded_generator(seed: int, stream: int) -> torch.Generator:
+    """An independent generator per (seed, stream): 0 = data, 1 = prior dropout."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream * 7919 + 17)
+
+
+def build_model(cfg: RunConfig) -> SoftPriorTransformer:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return SoftPriorTransformer(cfg.model)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "pos_bias" not in name and "gate_logits" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(model, cfg: RunConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, foreach=True)
+
+
+@torch.no_grad()
+def evaluate(model: SoftPriorTransformer, task: Task, inputs, targets, gate_pos=None, gate_content=None,
+             length: int | None = None) -> dict:
+    """Metric and loss of ``model`` on a batch under a gate override (None = the model's gates)."""
+    T = inputs.shape[1] if length is None else length
+    pos = task.loss_positions(T)
+    out = model(inputs, gate_pos, gate_content, positions=pos)
+    return {task.metric: float(task.score(out, targets)), "loss": float(task.loss(out, targets))}
+
+
+def _gate_summary(model) -> dict:
+    g = torch.sigmoid(model.gate_logits.detach())
+    return {"model_g_pos": float(g[0].mean()), "model_g_content": float(g[1].mean())}
+
+
+def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
+          resume: dict | None = None, on_checkpoint: Callable[[dict], None] | None = None,
+          progress: bool = False) -> RunResult:
+    """Train one run.
+
+    init_state: weights to start from (post hoc continuation from a parent's final checkpoint).
+    resume: a checkpoint dict previously passed to ``on_checkpoint``; training continues from it
+        bit-identically to an uninterrupted run.
+    on_checkpoint: called every ``cfg.checkpoint_every`` steps with a dict of tensors + metadata.
+    """
+    t0 = time.perf_counter()
+    task = make_task(cfg.task)
+    T, steps = cfg.model.n_ctx, cfg.total_steps
+    model = build_model(cfg)
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    opt = make_optimizer(model, cfg)
+    params = [p for p in model.parameters()]
+    data_gen, drop_gen = seeded_generator(cfg.seed, 0), seeded_generator(cfg.seed, 1)
+    val = task.sample(cfg.n_val, T, torch.Generator().manual_seed(cfg.val_seed))
+    loss_pos = task.loss_positions(T)
+    metrics: list[dict] = []
+    start = 0
+    loss_sum = torch.zeros(())
+    n_in_window = 0
+    if resume is not None:
+        start, metrics, loss_sum, n_in_window = _restore(resume, model, opt, data_gen, drop_gen)
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=steps, initial=start, desc=f"{cfg.path.name} s{cfg.seed}", unit="step", leave=False)
+    path = cfg.path
+    for step in range(start, steps):
+        gp = path.pos.value_at(step, steps)
+        gc = path.content.value_at(step, steps)
+        if path.prior_dropout > 0 and float(torch.rand((), generator=drop_gen)) < path.prior_dropout:
+            gp = gc = 0.0
+        batch = task.sample(cfg.batch_size, T, data_gen)
+        loss = task.loss(model(batch.inputs, gp, gc, positions=loss_pos), batch.targets)
+        if path.dual_loss:
+            loss = loss + task.loss(model(batch.inputs, 0.0, 0.0, positions=loss_pos), batch.targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
+        opt.step()
+        loss_sum += loss.detach()
+        n_in_window += 1
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == steps:
+            train_loss = float(loss_sum) / n_in_window
+            if not math.isfinite(train_loss):
+                raise TrainingDiverged(f"non-finite training loss at step {done} ({train_loss})")
+            normal = evaluate(model, task, val.inputs, val.targets)
+            zero = evaluate(model, task, val.inputs, val.targets, 0.0, 0.0)
+            row = {"step": done, "train_loss": train_loss,
+                   "g_pos": gp if gp is not None else float(torch.sigmoid(model.gate_logits[0].detach()).mean()),
+                   "g_content": gc if gc is not None else float(torch.sigmoid(model.gate_logits[1].detach()).mean()),
+                   **{f"normal_{k}": v for k, v in normal.items()},
+                   **{f"zero_{k}": v for k, v in zero.items()},
+                   **_gate_summary(model)}
+            metrics.append(row)
+            loss_sum, n_in_window = torch.zeros(()), 0
+            if bar is not None:
+                bar.set_postfix(normal=f"{row['normal_' + task.metric]:.3f}", zero=f"{row['zero_' + task.metric]:.3f}")
+        if on_checkpoint is not None and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < steps:
+            on_checkpoint(_snapshot(done, model, opt, data_gen, drop_gen, metrics, loss_sum, n_in_window))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    last = metrics[-1]
+    m = task.metric
+    summary = {"run_id": cfg.run_id, "task": cfg.task.name, "path": cfg.path.name, "seed": cfg.seed,
+               "metric": m, f"normal_{m}": last[f"normal_{m}"], f"zero_{m}": last[f"zero_{m}"],
+               "normal_loss": last["normal_loss"], "zero_loss": last["zero_loss"], "chance": task.chance,
+               "steps": steps, "seconds": round(time.perf_counter() - t0, 3), "n_params": model.n_params(),
+               **_gate_summary(model)}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return RunResult(cfg, summary, metrics, state)
+
+
+# ------------------------------------------------------------------------------- checkpoints
+def _snapshot(step, model, opt, data_gen, drop_gen, metrics, loss_sum, n_in_window) -> dict:
+    """A resumable checkpoint as flat tensors (safetensors-ready) plus JSON-able metadata."""
+    tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    sd = opt.state_dict()
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"opt.{pid}.{k}"] = torch.as_tensor(v).detach().clone().reshape(-1) if k == "step" else v.detach().clone()
+    tensors["rng.data"] = data_gen.get_state()
+    tensors["rng.drop"] = drop_gen.get_state()
+    tensors["loss_sum"] = loss_sum.detach().clone().reshape(1)
+    meta = {"step": step, "n_in_window": n_in_window, "metrics": metrics}
+    return {"tensors": tensors, "meta": meta}
+
+
+def _restore(ckpt: dict, model, opt, data_gen, drop_gen):
+    t, meta = ckpt["tensors"], ckpt["meta"]
+    model.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("model.")})
+    sd = opt.state_dict()
+    state = {}
+    for pid in range(sum(len(g["params"]) for g in sd["param_groups"])):
+        keys = [k for k in t if k.startswith(f"opt.{pid}.")]
+        if keys:
+            state[pid] = {k.split(".", 2)[2]: (t[k].reshape(()) if k.endswith(".step") else t[k]) for k in keys}
+    sd["state"] = state
+    opt.load_state_dict(sd)
+    data_gen.set_state(t["rng.data"])
+    drop_gen.set_state(t["rng.drop"])
+    return meta["step"], list(meta["metrics"]), t["loss_sum"].reshape(()).clone(), meta["n_in_window"]
+
+
+def metrics_jsonl(metrics: list[dict]) -> str:
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in metrics)
