@@ -100,6 +100,8 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
         model.load_state_dict(init_state)
     opt = make_optimizer(model, cfg)
     params = [p for p in model.parameters()]
+    for p in params:  # zero (not None) grads for unused params, e.g. a forced gate's logit: AdamW then
+        p.grad = torch.zeros_like(p)  # treats them exactly as the grouped engine does (engine.py)
     data_gen, drop_gen = seeded_generator(cfg.seed, 0), seeded_generator(cfg.seed, 1)
     val = task.sample(cfg.n_val, T, torch.Generator().manual_seed(cfg.val_seed))
     loss_pos = task.loss_positions(T)
@@ -124,7 +126,7 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
         loss = task.loss(model(batch.inputs, gp, gc, positions=loss_pos), batch.targets)
         if path.dual_loss:
             loss = loss + task.loss(model(batch.inputs, 0.0, 0.0, positions=loss_pos), batch.targets)
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=False)
         loss.backward()
         if cfg.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)

@@ -1,0 +1,174 @@
+"""Train K independent runs at once in one process (for sweeps).
+
+The parameters of K models built by ``train.build_model`` (each from its own seed) are stacked on a
+leading run dimension (``torch.func.stack_module_state``) and the *same* readable model is applied to
+each run with ``torch.func.vmap(functional_call(...))``: every matmul becomes one batched matmul over
+the K runs, so the per-op overhead that dominates a tiny model is paid once per step, not K times.
+On a GPU the same code path trains a whole sweep in a few kernels per op.
+
+What stays per run, exactly as in ``train.train``:
+- data: each run draws its batch from its own seeded generator;
+- gate trajectories: each run's gate values come from its own path (learned gates use the run's own
+  logit; prior dropout uses the run's own generator; the dual loss is a per-run flag);
+- gradient clipping: the global norm is computed per run over that run's slice of every parameter;
+- AdamW is elementwise, so one optimiser over the stacked tensors equals K separate optimisers
+  (a forced gate's logit gets a zero gradient here instead of none; with zero weight decay on gate
+  logits both leave it unchanged).
+
+Runs in a group must share everything that fixes tensor shapes and the optimiser: task, model,
+batch size, step budget, learning rate, weight decay, eval interval and validation set
+(``group_key``). Groups do not checkpoint mid-run (a group takes tens of seconds); single runs do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch.func import functional_call, stack_module_state, vmap
+
+from .config import RunConfig
+from .train import RunResult, TrainingDiverged, build_model, seeded_generator
+from .tasks import make_task
+
+__all__ = ["train_group", "group_key"]
+
+
+def group_key(cfg: RunConfig) -> str:
+    """Configs with equal keys can share a group."""
+    d = cfg.canonical()
+    for k in ("path", "seed", "grad_clip"):
+        d.pop(k, None)
+    d["total_steps"] = cfg.total_steps
+    d["has_parent"] = cfg.path.parent is not None
+    import json
+    return json.dumps(d, sort_keys=True)
+
+
+def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, progress: bool = False) -> list[RunResult]:
+    if not cfgs:
+        return []
+    keys = {group_key(c) for c in cfgs}
+    if len(keys) != 1:
+        raise ValueError("train_group needs configs that differ only in path, seed and grad_clip")
+    t0 = time.perf_counter()
+    K, c0 = len(cfgs), cfgs[0]
+    task = make_task(c0.task)
+    T, steps, L, H = c0.model.n_ctx, c0.total_steps, c0.model.n_layers, c0.model.n_heads
+    models = [build_model(c) for c in cfgs]
+    if init_states is not None:
+        for m, s in zip(models, init_states):
+            if s is not None:
+                m.load_state_dict(s)
+    base = models[0]
+    params, _ = stack_module_state(models)
+    params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    names = list(params)
+    decay = [params[n] for n in names if params[n].dim() >= 3 and "pos_bias" not in n and "gate_logits" not in n]
+    no_decay = [params[n] for n in names if not any(params[n] is p for p in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c0.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=c0.lr, foreach=True)
+    clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs])
+    data_gens = [seeded_generator(c.seed, 0) for c in cfgs]
+    drop_gens = [seeded_generator(c.seed, 1) for c in cfgs]
+    val = task.sample(c0.n_val, T, torch.Generator().manual_seed(c0.val_seed))
+    loss_pos = task.loss_positions(T)
+    learned_pos = torch.tensor([c.path.pos.mode == "learned" for c in cfgs])
+    learned_con = torch.tensor([c.path.content.mode == "learned" for c in cfgs])
+    dual = torch.tensor([float(c.path.dual_loss) for c in cfgs])
+
+    def fwd(p, inputs, gp, gc):
+        return functional_call(base, p, (inputs, gp, gc), {"positions": loss_pos})
+
+    batched = vmap(fwd, in_dims=(0, 0, 0, 0))
+    batched_val = vmap(fwd, in_dims=(0, None, 0, 0))
+
+    def per_run_loss(out, targets):  # out [K, B, P, ...], targets [K, B, ...] -> [K]
+        return vmap(task.loss)(out, targets)
+
+    def per_run_score(out, targets):
+        return vmap(task.score, in_dims=(0, None))(out, targets)
+
+    def per_run_val_loss(out, targets):
+        return vmap(task.loss, in_dims=(0, None))(out, targets)
+
+    def model_gates():
+        g = torch.sigmoid(params["gate_logits"])  # [K, 2, a, b]
+        return g[:, 0].expand(K, L, H), g[:, 1].expand(K, L, H)
+
+    metrics: list[list[dict]] = [[] for _ in cfgs]
+    loss_sum = torch.zeros(K)
+    n_in_window = 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=steps, desc=f"group of {K}", unit="step", leave=False)
+    zeros = torch.zeros(K, L, H)
+    for step in range(steps):
+        fp = torch.tensor([c.path.pos.value_at(step, steps) or 0.0 for c in cfgs])
+        fc = torch.tensor([c.path.content.value_at(step, steps) or 0.0 for c in cfgs])
+        drop = torch.tensor([c.path.prior_dropout > 0 and float(torch.rand((), generator=g)) < c.path.prior_dropout
+                             for c, g in zip(cfgs, drop_gens)])
+        mp, mc = model_gates()
+        gp = torch.where(learned_pos[:, None, None], mp, fp[:, None, None].expand(K, L, H))
+        gc = torch.where(learned_con[:, None, None], mc, fc[:, None, None].expand(K, L, H))
+        gp = torch.where(drop[:, None, None], zeros, gp)
+        gc = torch.where(drop[:, None, None], zeros, gc)
+        batches = [task.sample(c0.batch_size, T, g) for g in data_gens]
+        inputs = torch.stack([b.inputs for b in batches])
+        targets = torch.stack([b.targets for b in batches])
+        loss_k = per_run_loss(batched(params, inputs, gp, gc), targets)
+        if bool(dual.any()):
+            loss_k = loss_k + dual * per_run_loss(batched(params, inputs, zeros, zeros), targets)
+        opt.zero_grad(set_to_none=False)
+        loss_k.sum().backward()
+        grads = [params[n].grad for n in names if params[n].grad is not None]
+        norms = torch.stack([g.reshape(K, -1).pow(2).sum(1) for g in grads]).sum(0).sqrt()  # [K]
+        scale = (clip / (norms + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, [scale.view(K, *([1] * (g.dim() - 1))) for g in grads])
+        opt.step()
+        loss_sum += loss_k.detach()
+        n_in_window += 1
+        done = step + 1
+        if done % c0.eval_every == 0 or done == steps:
+            train_loss = (loss_sum / n_in_window).tolist()
+            with torch.no_grad():
+                mp, mc = model_gates()
+                out_n = batched_val(params, val.inputs, mp, mc)
+                out_z = batched_val(params, val.inputs, zeros, zeros)
+                res = {"normal_" + task.metric: per_run_score(out_n, val.targets).tolist(),
+                       "zero_" + task.metric: per_run_score(out_z, val.targets).tolist(),
+                       "normal_loss": per_run_val_loss(out_n, val.targets).tolist(),
+                       "zero_loss": per_run_val_loss(out_z, val.targets).tolist()}
+                g_all = torch.sigmoid(params["gate_logits"]).reshape(K, 2, -1).mean(-1)
+            for k, c in enumerate(cfgs):
+                if not math.isfinite(train_loss[k]):
+                    raise TrainingDiverged(f"run {c.run_id}: non-finite training loss at step {done}")
+                row = {"step": done, "train_loss": train_loss[k],
+                       # the gate applied at this step; a learned one as updated by it (as train.train logs)
+                       "g_pos": float(g_all[k, 0] if learned_pos[k] and not drop[k] else gp[k].detach().mean()),
+                       "g_content": float(g_all[k, 1] if learned_con[k] and not drop[k] else gc[k].detach().mean()),
+                       **{key: v[k] for key, v in res.items()},
+                       "model_g_pos": float(g_all[k, 0]), "model_g_content": float(g_all[k, 1])}
+                metrics[k].append(row)
+            loss_sum = torch.zeros(K)
+            n_in_window = 0
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    seconds = round(time.perf_counter() - t0, 3)
+    results = []
+    n_params = base.n_params()
+    for k, c in enumerate(cfgs):
+        last, m = metrics[k][-1], task.metric
+        summary = {"run_id": c.run_id, "task": c.task.name, "path": c.path.name, "seed": c.seed, "metric": m,
+                   f"normal_{m}": last[f"normal_{m}"], f"zero_{m}": last[f"zero_{m}"],
+                   "normal_loss": last["normal_loss"], "zero_loss": last["zero_loss"], "chance": task.chance,
+                   "steps": steps, "seconds": seconds, "n_params": n_params, "group_size": K,
+                   "model_g_pos": last["model_g_pos"], "model_g_content": last["model_g_content"]}
+        state = {n: params[n][k].detach().clone() for n in names}
+        results.append(RunResult(c, summary, metrics[k], state))
+    return results
