@@ -74,10 +74,15 @@ class RunConfig(BaseModel):
 def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "unforced", seed: int = 0,
                     model: str | ModelConfig = "base", steps: int | None = None,
                     task_options: dict | None = None, model_options: dict | None = None,
-                    **overrides) -> RunConfig:
-    """Build a RunConfig from names (as the CLI does) plus overrides."""
+                    baseline: str | None = None, **overrides) -> RunConfig:
+    """Build a RunConfig from names (as the CLI does) plus overrides. ``baseline`` (one of
+    ``softprior.baselines.BASELINES``) sets the model's positional scheme and the path."""
     tcfg = task_config(task, **(task_options or {})) if isinstance(task, str) else task
     pcfg = get_path(path) if isinstance(path, str) else path
+    if baseline is not None:
+        from .baselines import resolve_baseline
+        extra, pcfg = resolve_baseline(baseline)
+        model_options = {**(model_options or {}), **extra}
     io = dict(d_in=tcfg.d, d_out=1) if tcfg.name == "linear_icl" else dict(vocab=tcfg.vocab)
     if isinstance(model, str):
         mcfg = model_preset(model, **{**io, **(model_options or {})})

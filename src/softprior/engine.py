@@ -29,7 +29,7 @@ import torch
 from torch.func import functional_call, stack_module_state, vmap
 
 from .config import RunConfig
-from .train import RunResult, TrainingDiverged, build_model, seeded_generator
+from .train import RunResult, TrainingDiverged, build_model, is_decayed, seeded_generator
 from .tasks import make_task
 
 __all__ = ["train_group", "group_key"]
@@ -65,10 +65,9 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     params, _ = stack_module_state(models)
     params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     names = list(params)
-    decay = [params[n] for n in names if params[n].dim() >= 3 and "pos_bias" not in n and "gate_logits" not in n]
-    no_decay = [params[n] for n in names if not any(params[n] is p for p in decay)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c0.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=c0.lr, foreach=True)
+    opt = torch.optim.AdamW([{"params": [params[n] for n in names if is_decayed(n)], "weight_decay": c0.weight_decay},
+                             {"params": [params[n] for n in names if not is_decayed(n)], "weight_decay": 0.0}],
+                            lr=c0.lr, fused=True)
     clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs])
     data_gens = [seeded_generator(c.seed, 0) for c in cfgs]
     drop_gens = [seeded_generator(c.seed, 1) for c in cfgs]

@@ -66,9 +66,14 @@ class ModelConfig(BaseModel):
         "locality", description="B^pos init: zero, or B[h, r] = -scale (r - h)^2 on prior_layers")
     prior_layers: tuple[int, ...] = (0,)
     prior_scale: float = 1.0
+    prior: bool = Field(True, description="False: no soft prior (gates always 0), for static baselines")
+    positional: str = Field("none", description="static positional scheme (softprior.positional), or none")
 
     @model_validator(mode="after")
     def _check(self):
+        from .positional import SCHEMES
+        if self.positional != "none" and self.positional not in SCHEMES:
+            raise ValueError(f"unknown positional scheme {self.positional!r}; allowed: none, {', '.join(SCHEMES)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         bad = [l for l in self.prior_layers if not 0 <= l < self.n_layers]
@@ -128,6 +133,11 @@ class Attention(nn.Module):
         self.in_proj = nn.Linear(d, 3 * d + 2 * H * r, bias=False)
         self.out_proj = nn.Linear(d, d, bias=False)
         self.pos_bias = nn.Parameter(torch.zeros(H, cfg.n_ctx))  # B^pos[h, offset]
+        self.scheme = None  # a static positional scheme (baselines), see softprior.positional
+        if cfg.positional != "none":
+            from .positional import make_scheme
+            self.scheme = make_scheme(cfg.positional, n_heads=H, d_head=cfg.d_head, d_model=d, n_ctx=cfg.n_ctx,
+                                      layer=layer, n_layers=cfg.n_layers)
         with torch.no_grad():
             self.in_proj.weight[3 * d:].normal_(0.0, cfg.content_init_std)
             if cfg.prior_init == "locality" and layer in cfg.prior_layers:
@@ -143,27 +153,44 @@ class Attention(nn.Module):
         B, T, d = x.shape
         H, dh, r = cfg.n_heads, cfg.d_head, cfg.content_rank
         pre = f"blocks.{self.layer}.attn."
-        q, k, v, u, w = self.in_proj(x).split([d, d, d, H * r, H * r], dim=-1)
+        # one linear per slice of the fused weight: the backward then sums small weight-slice
+        # gradients instead of concatenating the large activation gradients of a split
+        W = self.in_proj.weight
+        sq, sk, sv, su, sw = (slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d),
+                              slice(3 * d, 3 * d + H * r), slice(3 * d + H * r, 3 * d + 2 * H * r))
         qpos = torch.arange(T) if positions is None else positions
-        if positions is not None:
-            q, u = q[:, positions], u[:, positions]
+        xq = x if positions is None else x[:, positions]  # the last layer: queries only where loss is read
+        q, u = F.linear(xq, W[sq]), F.linear(xq, W[su])
+        k, v, w = F.linear(x, W[sk]), F.linear(x, W[sv]), F.linear(x, W[sw])
         Tq = q.shape[1]
         q = hk(pre + "hook_q", q.view(B, Tq, H, dh)).transpose(1, 2)  # (B, H, Tq, dh)
         k = hk(pre + "hook_k", k.view(B, T, H, dh)).transpose(1, 2)  # (B, H, T, dh)
         v = hk(pre + "hook_v", v.view(B, T, H, dh)).transpose(1, 2)  # (B, H, T, dh)
+        kpos = torch.arange(T)
+        if self.scheme is not None:
+            q, k = self.scheme.rotate(q, k, qpos, kpos)
 
         offsets = (qpos[:, None] - torch.arange(T)[None, :]).clamp(0, cfg.n_ctx - 1)  # (Tq, T)
         b_pos = hk(pre + "hook_pos_bias", self.pos_bias[:, offsets])  # (H, Tq, T)
         u = u.view(B, Tq, H, r).transpose(1, 2)  # (B, H, Tq, r)
         w = w.view(B, T, H, r).transpose(1, 2)  # (B, H, T, r)
-        b_content = hk(pre + "hook_content_bias", u @ w.transpose(-1, -2))  # (B, H, Tq, T)
+        if hk.wants(pre + "hook_content_bias"):  # observed only: the forward folds it into the QK matmul
+            hk(pre + "hook_content_bias", u @ w.transpose(-1, -2))  # (B, H, Tq, T)
+        causal = torch.zeros(Tq, T).masked_fill_(qpos[:, None] < torch.arange(T)[None, :], float("-inf"))
 
-        # the paper's equation
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(dh) \
-            + g_pos.view(H, 1, 1) * b_pos + g_content.view(H, 1, 1) * b_content
-        causal = qpos[:, None] >= torch.arange(T)[None, :]
-        scores = hk(pre + "hook_attn_scores", scores.masked_fill(~causal, float("-inf")))
-        pattern = hk(pre + "hook_pattern", scores.softmax(-1))
+        # The paper's equation  S = Q K^T / sqrt(d_head) + g_pos B^pos + g_content B^content,  with
+        # B^content = (x U)(x V)^T folded into the same matmul:  [Q/sqrt(d_head), g_content xU] . [K, xV]^T.
+        # The causal mask (0 / -inf) rides along with the (batch-independent) position bias.
+        q_ext = torch.cat([q * (1.0 / math.sqrt(dh)), g_content.view(H, 1, 1) * u], dim=-1)  # (B, H, Tq, dh+r)
+        k_ext = torch.cat([k, w], dim=-1)  # (B, H, T, dh+r)
+        scores = q_ext @ k_ext.transpose(-1, -2)
+        if self.scheme is not None:  # static baselines (whose soft prior is off) adjust the content logits
+            scores = self.scheme.adjust_logits(scores, q, k, qpos, kpos)
+        scores = hk(pre + "hook_attn_scores", scores + (g_pos.view(H, 1, 1) * b_pos + causal))
+        pattern = scores.softmax(-1)
+        if self.scheme is not None:
+            pattern = self.scheme.mix_pattern(pattern, qpos, kpos)
+        pattern = hk(pre + "hook_pattern", pattern)
         z = hk(pre + "hook_z", (pattern @ v).transpose(1, 2))  # (B, Tq, H, dh)
         if hk.wants(pre + "hook_result"):  # each head's contribution to the residual stream
             W_O = self.out_proj.weight.T.view(H, dh, d)
@@ -212,6 +239,9 @@ class SoftPriorTransformer(nn.Module):
         """Gate values [L, H] for (position, content). None = learned (sigmoid of the logit);
         a float or tensor forces the gate (fixed/scheduled modes and evaluation overrides)."""
         L, H = self.cfg.n_layers, self.cfg.n_heads
+        if not self.cfg.prior:
+            z = torch.zeros(L, H)
+            return z, z
         out = []
         for i, forced in enumerate((pos, content)):
             if forced is None:
@@ -230,6 +260,11 @@ class SoftPriorTransformer(nn.Module):
         hk = self.hook_state
         gp, gc = self.gates(gate_pos, gate_content)
         x = self.embed(inputs) if self.cfg.d_in is None else self.read_in(inputs)
+        scheme = self.blocks[0].attn.scheme
+        if scheme is not None:
+            p = scheme.embed_positions(x.shape[1])  # only 'vanilla' adds absolute positions
+            if p is not None:
+                x = x + p
         x = hk("hook_embed", x)
         last = len(self.blocks) - 1
         for l, block in enumerate(self.blocks):

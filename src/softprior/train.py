@@ -9,8 +9,9 @@ Evaluation semantics (SPEC section 1):
 - "zero": both gates forced to 0: the plain NoPE model.
 The path's gate values at the evaluation step are logged beside them (``g_pos``, ``g_content``).
 
-Weight decay applies to the projection and embedding matrices only (not to LayerNorm, the prior
-tables or the gate logits), nanoGPT-style; the prior tables would otherwise be pulled to zero.
+Weight decay applies to the projection and embedding matrices only (``is_decayed``: not to
+LayerNorm, the prior tables, the gate logits or positional-scheme parameters), nanoGPT-style; the
+prior tables would otherwise be pulled to zero.
 
 Determinism: initialisation uses a forked global RNG seeded with the run seed; data, prior-dropout
 and validation use their own ``torch.Generator`` objects. Same config + seed + machine -> same bits.
@@ -56,15 +57,24 @@ def build_model(cfg: RunConfig) -> SoftPriorTransformer:
         return SoftPriorTransformer(cfg.model)
 
 
+_DECAYED = ("embed.weight", "in_proj.weight", "out_proj.weight", "read_in.weight", "read_out.weight")
+
+
+def is_decayed(name: str) -> bool:
+    """Weight decay on the embedding and projection matrices only: not on LayerNorm, biases, the
+    prior tables, the gate logits or the positional schemes' parameters."""
+    return name.endswith(_DECAYED)
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 and "pos_bias" not in name and "gate_logits" not in name else no_decay).append(p)
+        (decay if is_decayed(name) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def make_optimizer(model, cfg: RunConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, foreach=True)
+    return torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, fused=True)
 
 
 @torch.no_grad()
