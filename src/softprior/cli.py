@@ -72,6 +72,7 @@ def cmd_train(args) -> int:
     from .train import build_model
 
     cfg = make_run_config(args.task, args.path, args.seed, model=args.model, steps=args.steps,
+                          baseline=args.baseline,
                           **({"checkpoint_every": args.checkpoint_every} if args.checkpoint_every else {}))
     store = _store(args)
     n_params = build_model(cfg).n_params()
@@ -117,6 +118,80 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _experiment(args):
+    from .experiments import Options, get_experiment, load_plugin
+    for f in args.plugin or []:
+        load_plugin(f)
+    exp = get_experiment(args.name)
+    tasks = tuple(t.strip() for t in args.tasks.split(",")) if getattr(args, "tasks", None) else None
+    opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks)
+    if opts.seeds is not None and opts.seeds < 1:
+        raise CliError(f"--seeds must be >= 1, got {opts.seeds}")
+    return exp, exp.build(opts)
+
+
+def cmd_reproduce(args) -> int:
+    from .executors import execute
+    from .report import write_report
+    exp, cells = _experiment(args)
+    store = _store(args)
+    out = args.out or f"results/{exp.name}"
+    print(f"{exp.name}: {exp.description}\n{len(cells)} runs, store {args.store}, executor {args.executor}"
+          f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {args.group}", file=sys.stderr)
+    report = execute([c.cfg for c in cells], store, executor=args.executor, workers=args.workers,
+                     group_size=args.group, address=args.address, progress=not args.no_progress)
+    print(report.line(), file=sys.stderr)
+    md = write_report(store, exp, cells, out)
+    print(md)
+    print(f"wrote {out}/table.md, table.csv, figure.png", file=sys.stderr)
+    return 1 if report.failed else 0
+
+
+def cmd_report(args) -> int:
+    from .report import write_report
+    exp, cells = _experiment(args)
+    out = args.out or f"results/{exp.name}"
+    print(write_report(_store(args), exp, cells, out))
+    print(f"wrote {out}/table.md, table.csv, figure.png", file=sys.stderr)
+    return 0
+
+
+def cmd_experiments(args) -> int:
+    from .experiments import list_experiments, load_plugin
+    for f in args.plugin or []:
+        load_plugin(f)
+    for name, desc in list_experiments():
+        print(f"{name:<22} {desc}")
+    return 0
+
+
+def cmd_baselines(args) -> int:
+    from .baselines import list_baselines
+    for name, desc in list_baselines():
+        print(f"{name:<18} {desc}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    res = run_bench(quick=args.quick, group_size=args.group, log=(lambda *_: None) if args.json else print)
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .interop import export_transformer_lens
+    if args.format != "transformer-lens":
+        raise CliError(f"unknown export format {args.format!r}; allowed: transformer-lens")
+    store = _store(args)
+    cfg, model = store.load_model(args.run_id)
+    gates = parse_gates(args.gates) if args.gates else None
+    export_transformer_lens(model, args.out, gates=gates)
+    print(f"wrote {args.out} (TransformerLens config + state dict of run {cfg.run_id})")
+    return 0
+
+
 def cmd_paths(args) -> int:
     from .paths import list_paths
     for name, desc in list_paths():
@@ -141,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train one run (skipped if already in the store)")
     t.add_argument("--task", default="assoc_recall")
     t.add_argument("--path", default="fade600")
+    t.add_argument("--baseline", default=None, help="a static baseline (see `softprior baselines`); sets the path")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--model", default="base", help=f"one of {', '.join(MODEL_PRESETS)}")
     t.add_argument("--steps", type=int, default=None, help="step budget (default 3600)")
@@ -158,6 +234,39 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_eval)
 
+    for name, fn, hlp in (("reproduce", cmd_reproduce, "run an experiment's missing runs, then tabulate and plot it"),
+                          ("report", cmd_report, "rebuild an experiment's table and figures from the store")):
+        r = sub.add_parser(name, help=hlp)
+        r.add_argument("name")
+        r.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: the paper's)")
+        r.add_argument("--tasks", default=None, help="comma-separated task filter (static_baselines)")
+        r.add_argument("--store", default="runs")
+        r.add_argument("--quick", action="store_true", help="few steps and seeds: a smoke run")
+        r.add_argument("--out", default=None, help="output directory (default results/NAME)")
+        r.add_argument("--plugin", action="append", help="a Python file that registers experiments or paths")
+        if name == "reproduce":
+            r.add_argument("--executor", default="local", choices=["local", "ray"])
+            r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray)")
+            r.add_argument("--group", type=int, default=1, help="runs trained together in one process (vmap)")
+            r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
+            r.add_argument("--no-progress", action="store_true")
+        r.set_defaults(fn=fn)
+    x = sub.add_parser("experiments", help="list experiments")
+    x.add_argument("--plugin", action="append")
+    x.set_defaults(fn=cmd_experiments)
+    sub.add_parser("baselines", help="list the thirteen static baselines").set_defaults(fn=cmd_baselines)
+    b = sub.add_parser("bench", help="benchmark the training engine against a plain reference")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--quick", action="store_true", help="fewer repetitions")
+    b.add_argument("--group", type=int, default=8, help="K, the number of runs trained together")
+    b.set_defaults(fn=cmd_bench)
+    ex = sub.add_parser("export", help="export a stored run to another library's format")
+    ex.add_argument("run_id")
+    ex.add_argument("--format", default="transformer-lens")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--gates", default=None, help="gates baked into the export, e.g. pos=0,content=0")
+    ex.add_argument("--store", default="runs")
+    ex.set_defaults(fn=cmd_export)
     sub.add_parser("paths", help="list training paths").set_defaults(fn=cmd_paths)
     sub.add_parser("tasks", help="list tasks").set_defaults(fn=cmd_tasks)
     return p
@@ -176,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ValidationError as e:
         print(f"softprior: error: invalid configuration: {_format_validation_error(e)}", file=sys.stderr)
-    except (CliError, StoreError, ValueError, KeyError) as e:
+    except (CliError, StoreError, ValueError, KeyError, RuntimeError, ImportError) as e:
         msg = e.args[0] if e.args else str(e)
         print(f"softprior: error: {msg}", file=sys.stderr)
     except KeyboardInterrupt:

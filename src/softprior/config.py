@@ -39,6 +39,8 @@ class RunConfig(BaseModel):
     n_val: int = Field(512, ge=1)
     val_seed: int = Field(1_000_003, ge=0, description="fixed validation seed, shared by all runs")
     checkpoint_every: int = Field(0, ge=0, description="steps between resumable checkpoints (0: never)")
+    snapshot_every: int = Field(0, ge=0, description="keep the weights every N steps (and at step 0) for "
+                                "mechanism traces; 0: never")
     label: str = Field("", description="free text, not hashed")
 
     @model_validator(mode="after")

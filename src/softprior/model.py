@@ -20,7 +20,7 @@ then the causal mask, then softmax.
 Intermediates are exposed TransformerLens-style under stable hook names (see ``hook_names``):
 ``blocks.{l}.hook_resid_pre``, ``blocks.{l}.attn.hook_q|hook_k|hook_v`` [B, T, H, d_head],
 ``blocks.{l}.attn.hook_pos_bias`` [H, Tq, T] (ungated), ``blocks.{l}.attn.hook_content_bias``
-[B, H, Tq, T] (ungated), ``blocks.{l}.attn.hook_attn_scores`` [B, H, Tq, T] (priors added, masked),
+[B, H, Tq, T] (ungated; observe-only: the forward folds it into the QK matmul), ``blocks.{l}.attn.hook_attn_scores`` [B, H, Tq, T] (priors added, masked),
 ``blocks.{l}.attn.hook_pattern``, ``blocks.{l}.attn.hook_z`` [B, Tq, H, d_head],
 ``blocks.{l}.attn.hook_result`` [B, Tq, H, d_model] (each head's output; only computed when asked
 for), ``blocks.{l}.hook_attn_out``, ``blocks.{l}.hook_resid_post``, ``ln_final.hook_normalized``.
@@ -158,25 +158,26 @@ class Attention(nn.Module):
         W = self.in_proj.weight
         sq, sk, sv, su, sw = (slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d),
                               slice(3 * d, 3 * d + H * r), slice(3 * d + H * r, 3 * d + 2 * H * r))
-        qpos = torch.arange(T) if positions is None else positions
-        xq = x if positions is None else x[:, positions]  # the last layer: queries only where loss is read
+        dev = x.device
+        qpos = torch.arange(T, device=dev) if positions is None else positions.to(dev)
+        xq = x if positions is None else x[:, qpos]  # the last layer: queries only where loss is read
         q, u = F.linear(xq, W[sq]), F.linear(xq, W[su])
         k, v, w = F.linear(x, W[sk]), F.linear(x, W[sv]), F.linear(x, W[sw])
         Tq = q.shape[1]
         q = hk(pre + "hook_q", q.view(B, Tq, H, dh)).transpose(1, 2)  # (B, H, Tq, dh)
         k = hk(pre + "hook_k", k.view(B, T, H, dh)).transpose(1, 2)  # (B, H, T, dh)
         v = hk(pre + "hook_v", v.view(B, T, H, dh)).transpose(1, 2)  # (B, H, T, dh)
-        kpos = torch.arange(T)
+        kpos = torch.arange(T, device=dev)
         if self.scheme is not None:
             q, k = self.scheme.rotate(q, k, qpos, kpos)
 
-        offsets = (qpos[:, None] - torch.arange(T)[None, :]).clamp(0, cfg.n_ctx - 1)  # (Tq, T)
+        offsets = (qpos[:, None] - kpos[None, :]).clamp(0, cfg.n_ctx - 1)  # (Tq, T)
         b_pos = hk(pre + "hook_pos_bias", self.pos_bias[:, offsets])  # (H, Tq, T)
         u = u.view(B, Tq, H, r).transpose(1, 2)  # (B, H, Tq, r)
         w = w.view(B, T, H, r).transpose(1, 2)  # (B, H, T, r)
         if hk.wants(pre + "hook_content_bias"):  # observed only: the forward folds it into the QK matmul
             hk(pre + "hook_content_bias", u @ w.transpose(-1, -2))  # (B, H, Tq, T)
-        causal = torch.zeros(Tq, T).masked_fill_(qpos[:, None] < torch.arange(T)[None, :], float("-inf"))
+        causal = torch.zeros(Tq, T, device=dev).masked_fill_(qpos[:, None] < kpos[None, :], float("-inf"))
 
         # The paper's equation  S = Q K^T / sqrt(d_head) + g_pos B^pos + g_content B^content,  with
         # B^content = (x U)(x V)^T folded into the same matmul:  [Q/sqrt(d_head), g_content xU] . [K, xV]^T.
@@ -240,14 +241,14 @@ class SoftPriorTransformer(nn.Module):
         a float or tensor forces the gate (fixed/scheduled modes and evaluation overrides)."""
         L, H = self.cfg.n_layers, self.cfg.n_heads
         if not self.cfg.prior:
-            z = torch.zeros(L, H)
+            z = torch.zeros(L, H, device=self.gate_logits.device, dtype=self.gate_logits.dtype)
             return z, z
         out = []
         for i, forced in enumerate((pos, content)):
             if forced is None:
                 g = torch.sigmoid(self.gate_logits[i])
             else:
-                g = torch.as_tensor(forced, dtype=self.gate_logits.dtype)
+                g = torch.as_tensor(forced, dtype=self.gate_logits.dtype, device=self.gate_logits.device)
             out.append(g.expand(L, H) if g.dim() else g.view(1, 1).expand(L, H))
         return out[0], out[1]
 
@@ -294,10 +295,11 @@ class SoftPriorTransformer(nn.Module):
             if name not in known:
                 raise KeyError(f"unknown hook {name!r}; see model.hook_names()")
         old = (hs.fns, hs.cache, hs.cache_filter, hs.active)
-        hs.fns = {}
+        hs.fns = {k: list(v) for k, v in old[0].items()}  # nested contexts add to the outer hooks
         for name, fn in fwd_hooks:
             hs.fns.setdefault(name, []).append(fn)
-        hs.cache, hs.cache_filter = cache, (names_filter or (lambda n: True))
+        if cache is not None or old[1] is None:
+            hs.cache, hs.cache_filter = cache, (names_filter or (lambda n: True))
         hs.active = True
         try:
             yield self

@@ -5,6 +5,7 @@
     STORE/runs/RUN_ID/metrics.jsonl
     STORE/runs/RUN_ID/final.safetensors      model weights (safetensors: never pickle)
     STORE/runs/RUN_ID/summary.json
+    STORE/runs/RUN_ID/snapshots/step_N.safetensors  weights during training (mechanism traces)
     STORE/runs/RUN_ID/checkpoint.safetensors resumable state while a run is in progress
 
 Runs are keyed by a hash of their canonical config (``RunConfig.run_id``). Every file is written to a
@@ -45,7 +46,23 @@ CREATE TABLE IF NOT EXISTS runs (
 );
 """
 
-STALE_SECONDS = 120.0  # a 'running' claim without a heartbeat for this long may be taken over
+STALE_SECONDS = 6 * 3600.0  # a 'running' claim from another host without a heartbeat for this long is void
+
+
+def _owner_alive(owner: str | None) -> bool:
+    """False when ``owner`` ('host:pid') is a process of this host that no longer exists."""
+    if not owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname():
+        return True  # unknown: rely on the heartbeat
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
 
 
 class StoreError(RuntimeError):
@@ -132,7 +149,7 @@ class RunStore:
                     if row["status"] == "done":
                         db.execute("ROLLBACK")
                         return False
-                    if (row["status"] == "running" and row["owner"] != self.owner
+                    if (row["status"] == "running" and row["owner"] != self.owner and _owner_alive(row["owner"])
                             and now - (row["heartbeat"] or 0) < STALE_SECONDS):
                         db.execute("ROLLBACK")
                         return False
@@ -169,6 +186,10 @@ class RunStore:
         _atomic_write_bytes(d / "metrics.jsonl",
                             "".join(json.dumps(r, sort_keys=True) + "\n" for r in result.metrics).encode())
         _atomic_save_tensors(d / "final.safetensors", result.state_dict, {"run_id": cfg.run_id})
+        if result.snapshots:
+            (d / "snapshots").mkdir(exist_ok=True)
+            for step, weights in result.snapshots:
+                _atomic_save_tensors(d / "snapshots" / f"step_{step:07d}.safetensors", weights, {"step": step})
         _atomic_write_bytes(d / "summary.json", json.dumps(result.summary, indent=2, sort_keys=True).encode())
         now = time.time()
         with self._connect() as db:
@@ -195,6 +216,11 @@ class RunStore:
     def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
         d = self.run_dir(run_id)
         d.mkdir(parents=True, exist_ok=True)
+        for step, weights in ckpt.get("snapshots", []):  # snapshots so far survive a kill too
+            f = d / "snapshots" / f"step_{step:07d}.safetensors"
+            if not f.exists():
+                f.parent.mkdir(exist_ok=True)
+                _atomic_save_tensors(f, weights, {"step": step})
         _atomic_save_tensors(d / "checkpoint.safetensors", ckpt["tensors"], {"meta": ckpt["meta"]})
         self.heartbeat(run_id)
 
@@ -206,7 +232,10 @@ class RunStore:
             from safetensors import safe_open
             with safe_open(str(f), framework="pt") as sf:
                 meta = json.loads(sf.metadata()["meta"])
-            return {"tensors": load_file(str(f)), "meta": meta}
+            snaps = sorted((d / "snapshots").glob("step_*.safetensors")) if (d := self.run_dir(run_id)).exists() else []
+            snapshots = [(int(g.stem.split("_")[1]), load_file(str(g))) for g in snaps]
+            return {"tensors": load_file(str(f)), "meta": meta,
+                    "snapshots": [(st, w) for st, w in snapshots if st <= meta["step"]]}
         except (SafetensorError, KeyError, ValueError, OSError):
             return None  # a corrupt checkpoint is ignored: the run restarts from scratch
 
@@ -248,6 +277,18 @@ class RunStore:
             return load_file(str(f))
         except (SafetensorError, OSError, ValueError) as e:
             raise StoreError(f"run {row['run_id']!r}: final.safetensors is missing or corrupt ({e})") from None
+
+    def load_snapshots(self, run_id: str) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """(step, weights) for every stored snapshot of a finished run, in step order."""
+        row = self._row(run_id)
+        d = self.run_dir(row["run_id"]) / "snapshots"
+        out = []
+        for f in sorted(d.glob("step_*.safetensors")) if d.exists() else []:
+            try:
+                out.append((int(f.stem.split("_")[1]), load_file(str(f))))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise StoreError(f"run {row['run_id']!r}: snapshot {f.name} is corrupt ({e})") from None
+        return out
 
     def load_model(self, run_id: str):
         """(RunConfig, model with the final weights) for a finished run."""

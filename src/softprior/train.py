@@ -44,6 +44,7 @@ class RunResult:
     summary: dict
     metrics: list[dict] = field(default_factory=list)
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    snapshots: list[tuple[int, dict[str, torch.Tensor]]] = field(default_factory=list)  # (step, weights)
 
 
 def seeded_generator(seed: int, stream: int) -> torch.Generator:
@@ -116,11 +117,19 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
     val = task.sample(cfg.n_val, T, torch.Generator().manual_seed(cfg.val_seed))
     loss_pos = task.loss_positions(T)
     metrics: list[dict] = []
+    snapshots: list[tuple[int, dict]] = []
     start = 0
     loss_sum = torch.zeros(())
     n_in_window = 0
     if resume is not None:
         start, metrics, loss_sum, n_in_window = _restore(resume, model, opt, data_gen, drop_gen)
+        snapshots = list(resume.get("snapshots", []))
+
+    def _weights():
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    if cfg.snapshot_every and start == 0:
+        snapshots.append((0, _weights()))
 
     bar = None
     if progress:
@@ -160,8 +169,12 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
             loss_sum, n_in_window = torch.zeros(()), 0
             if bar is not None:
                 bar.set_postfix(normal=f"{row['normal_' + task.metric]:.3f}", zero=f"{row['zero_' + task.metric]:.3f}")
+        if cfg.snapshot_every and done % cfg.snapshot_every == 0:
+            snapshots.append((done, _weights()))
         if on_checkpoint is not None and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < steps:
-            on_checkpoint(_snapshot(done, model, opt, data_gen, drop_gen, metrics, loss_sum, n_in_window))
+            ck = _snapshot(done, model, opt, data_gen, drop_gen, metrics, loss_sum, n_in_window)
+            ck["snapshots"] = snapshots
+            on_checkpoint(ck)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -174,8 +187,7 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
                "normal_loss": last["normal_loss"], "zero_loss": last["zero_loss"], "chance": task.chance,
                "steps": steps, "seconds": round(time.perf_counter() - t0, 3), "n_params": model.n_params(),
                **_gate_summary(model)}
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return RunResult(cfg, summary, metrics, state)
+    return RunResult(cfg, summary, metrics, _weights(), snapshots)
 
 
 # ------------------------------------------------------------------------------- checkpoints

@@ -1,0 +1,283 @@
+"""Run a list of run configs: one driver, several backends.
+
+The driver alone touches the store: it skips finished runs, trains parents of derived runs first,
+claims runs in a transaction (so two sweeps on one store never train the same run), hands *pure*
+jobs (configs in, results out) to a backend, and writes each result as it arrives. Backends:
+
+- ``serial``: in this process (single runs checkpoint to the store and resume after a kill);
+- ``local`` with ``workers > 1``: a process pool, each worker with ``torch`` threads = cores/workers;
+- ``ray``: one Ray task per job with ``num_cpus`` set, consumed with ``ray.wait`` as they finish,
+  so a cluster without a shared filesystem works (results travel back through Ray's object store).
+
+A job is one run or a group of compatible runs trained together (``engine.train_group``). A failing
+run (exception or NaN loss) is recorded with its error and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import RunConfig
+from .store import RunStore
+
+__all__ = ["execute", "SweepReport"]
+
+
+@dataclass
+class SweepReport:
+    total: int = 0
+    skipped: int = 0
+    trained: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (run_id, error)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def line(self) -> str:
+        s = (f"{self.total} runs: {self.skipped} already done, {self.trained} trained, {len(self.failed)} failed "
+             f"({self.seconds:.1f} s)")
+        for rid, err in self.failed:
+            s += f"\n  FAILED {rid}: {err.splitlines()[-1] if err else ''}"
+        return s
+
+
+# ------------------------------------------------------------------------------------ pure work
+def _set_threads(n: int) -> None:
+    import torch
+    torch.set_num_threads(max(1, n))
+
+
+def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | None = None):
+    """Pure: train ``cfgs`` (one run, or a group) and return a list of (RunResult | None, error | None)."""
+    if threads:
+        _set_threads(threads)
+    from .engine import train_group
+    from .train import train
+    if len(cfgs) == 1:
+        try:
+            return [(train(cfgs[0], init_state=(init_states or [None])[0]), None)]
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            return [(None, f"{type(e).__name__}: {e}")]
+    try:
+        return [(r, None) for r in train_group(cfgs, init_states=init_states)]
+    except Exception:  # one bad run spoils a group: fall back to training each alone
+        return [work([c], [s] if init_states else None)[0] for c, s in zip(cfgs, init_states or [None] * len(cfgs))]
+
+
+# ------------------------------------------------------------------------------------ backends
+class _Serial:
+    def __init__(self, store: RunStore, progress: bool):
+        self.store, self.progress, self.pending = store, progress, []
+
+    def submit(self, cfgs, init_states):
+        if len(cfgs) == 1:  # in-process single runs checkpoint and resume through the store
+            from .train import train
+            c = cfgs[0]
+            try:
+                r = train(c, init_state=(init_states or [None])[0], resume=self.store.load_checkpoint(c.run_id),
+                          on_checkpoint=lambda ck: self.store.save_checkpoint(c.run_id, ck), progress=self.progress)
+                out = [(r, None)]
+            except Exception as e:  # noqa: BLE001
+                out = [(None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")]
+        else:
+            out = work(cfgs, init_states)
+        self.pending.append((cfgs, out))
+
+    def next_done(self):
+        return self.pending.pop(0)
+
+    def busy(self):
+        return bool(self.pending)
+
+    def close(self):
+        pass
+
+
+class _Pool:
+    def __init__(self, workers: int):
+        from concurrent.futures import ProcessPoolExecutor
+        import multiprocessing as mp
+        self.threads = max(1, (os.cpu_count() or 1) // workers)
+        self.ex = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+        self.futs = {}
+
+    def submit(self, cfgs, init_states):
+        self.futs[self.ex.submit(work, cfgs, init_states, self.threads)] = cfgs
+
+    def next_done(self):
+        from concurrent.futures import FIRST_COMPLETED, wait
+        done, _ = wait(list(self.futs), return_when=FIRST_COMPLETED)
+        f = next(iter(done))
+        cfgs = self.futs.pop(f)
+        try:
+            return cfgs, f.result()
+        except Exception as e:  # noqa: BLE001 - a worker crash fails its runs, not the sweep
+            return cfgs, [(None, f"worker crashed: {type(e).__name__}: {e}")] * len(cfgs)
+
+    def busy(self):
+        return bool(self.futs)
+
+    def close(self):
+        self.ex.shutdown(cancel_futures=True)
+
+
+class _Ray:
+    def __init__(self, address: str | None, cpus_per_job: int):
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("the ray executor needs Ray: pip install 'softprior[ray]'") from None
+        self.ray = ray
+        if not ray.is_initialized():
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+        self.remote = ray.remote(num_cpus=cpus_per_job)(work)
+        self.cpus = cpus_per_job
+        self.refs = {}
+
+    def submit(self, cfgs, init_states):
+        self.refs[self.remote.remote(cfgs, init_states, self.cpus)] = cfgs
+
+    def next_done(self):
+        done, _ = self.ray.wait(list(self.refs), num_returns=1)
+        ref = done[0]
+        cfgs = self.refs.pop(ref)
+        try:
+            return cfgs, self.ray.get(ref)
+        except Exception as e:  # noqa: BLE001
+            return cfgs, [(None, f"ray task failed: {type(e).__name__}: {e}")] * len(cfgs)
+
+    def busy(self):
+        return bool(self.refs)
+
+    def close(self):
+        pass
+
+
+# ------------------------------------------------------------------------------------ driver
+def _unique(cfgs):
+    seen, out = set(), []
+    for c in cfgs:
+        if c.run_id not in seen:
+            seen.add(c.run_id)
+            out.append(c)
+    return out
+
+
+def _jobs(cfgs: list[RunConfig], group_size: int) -> list[list[RunConfig]]:
+    if group_size <= 1:
+        return [[c] for c in cfgs]
+    from .engine import group_key
+    buckets: dict[str, list[RunConfig]] = {}
+    jobs = [[c] for c in cfgs if c.snapshot_every]  # snapshots are taken by the single-run trainer
+    for c in (c for c in cfgs if not c.snapshot_every):
+        buckets.setdefault(group_key(c), []).append(c)
+    for b in buckets.values():
+        jobs += [b[i:i + group_size] for i in range(0, len(b), group_size)]
+    return jobs
+
+
+def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", workers: int = 1,
+            group_size: int = 1, address: str | None = None, progress: bool = True,
+            wait_for_others: bool = True, poll_seconds: float = 2.0, sweep_bar: bool = True,
+            on_result: Callable[[RunConfig, dict | None, str | None], None] | None = None) -> SweepReport:
+    """Make sure every config in ``cfgs`` is in ``store``; return what happened."""
+    t0 = time.perf_counter()
+    if executor not in ("local", "ray"):
+        raise ValueError(f"unknown executor {executor!r}; allowed: local, ray")
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    cfgs = _unique(cfgs)
+    report = SweepReport(total=len(cfgs))
+    report.skipped = sum(store.is_done(c.run_id) for c in cfgs)
+    # derived runs need their parents: parents form the first phase
+    parents = _unique([c.parent() for c in cfgs if c.parent() is not None])
+    phases = [[p for p in parents if p.run_id not in {c.run_id for c in cfgs}], [c for c in cfgs if c.parent() is None],
+              [c for c in cfgs if c.parent() is not None]]
+    if executor == "ray":
+        backend = _Ray(address, max(1, (os.cpu_count() or 1) // max(workers, 1)) if address is None else 1)
+    elif workers > 1:
+        backend = _Pool(workers)
+    else:
+        backend = _Serial(store, progress)
+    bar = None
+    if progress and sweep_bar:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(cfgs) - report.skipped, desc="sweep", unit="run")
+    failed_ids: set[str] = set()
+    try:
+        for phase in phases:
+            todo = [c for c in phase if not store.is_done(c.run_id)]
+            waiting: list[RunConfig] = []
+            mine: list[RunConfig] = []
+            for c in todo:
+                parent = c.parent()
+                if parent is not None and (parent.run_id in failed_ids or not store.is_done(parent.run_id)):
+                    failed_ids.add(c.run_id)
+                    store.record_failure(c, f"parent run {parent.run_id} is not available")
+                    report.failed.append((c.run_id, f"parent run {parent.run_id} is not available"))
+                    continue
+                (mine if store.claim(c) else waiting).append(c)
+            for job in _jobs(mine, group_size):
+                inits = None
+                if any(c.parent() is not None for c in job):
+                    inits = [store.load_state(c.parent().run_id) if c.parent() is not None else None for c in job]
+                backend.submit(job, inits)
+                while isinstance(backend, _Serial) and backend.busy():
+                    _collect(backend, store, report, failed_ids, bar, on_result)
+            while backend.busy():
+                _collect(backend, store, report, failed_ids, bar, on_result)
+            # runs claimed by another live process: wait until that process finishes or dies
+            while waiting and wait_for_others:
+                still = []
+                for c in waiting:
+                    st = store.status(c.run_id)
+                    if st == "done":
+                        continue
+                    if st == "failed":
+                        report.failed.append((c.run_id, "failed in another process"))
+                        failed_ids.add(c.run_id)
+                        continue
+                    if store.claim(c):  # its owner died: take it over
+                        backend.submit([c], [store.load_state(c.parent().run_id)] if c.parent() else None)
+                        while backend.busy():
+                            _collect(backend, store, report, failed_ids, bar, on_result)
+                        continue
+                    still.append(c)
+                waiting = still
+                if waiting:
+                    time.sleep(poll_seconds)
+    except KeyboardInterrupt:
+        for c in cfgs:
+            store.release(c.run_id)
+        raise
+    finally:
+        backend.close()
+        if bar is not None:
+            bar.close()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _collect(backend, store, report, failed_ids, bar, on_result):
+    cfgs, outs = backend.next_done()
+    for c, (res, err) in zip(cfgs, outs):
+        if res is not None:
+            store.save_result(res)
+            report.trained += 1
+            if on_result:
+                on_result(c, res.summary, None)
+        else:
+            store.record_failure(c, err or "unknown error")
+            report.failed.append((c.run_id, err or "unknown error"))
+            failed_ids.add(c.run_id)
+            if on_result:
+                on_result(c, None, err)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(failed=len(report.failed))

@@ -1,0 +1,216 @@
+"""Experiments as data: a name, a description, the run configs it needs (as table cells), and how
+to tabulate and plot them. Every experiment of SPEC section 6 is registered here; users register
+their own with ``register_experiment`` (e.g. from a Python file passed as ``--plugin FILE``).
+
+A ``Cell`` is one run config plus where its numbers go in the table (``row``, ``col``) and which
+evaluations to read from it (``Eval``: the model's own gates, zero gates, any gate override, any
+length). "normal" and "zero" at the training length come from the stored run summary; other
+evaluations are computed from the stored weights at report time (cheap and deterministic).
+"""
+
+from __future__ import annotations
+
+import runpy
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import RunConfig, make_run_config
+
+__all__ = ["Eval", "Cell", "Experiment", "Options", "register_experiment", "get_experiment", "list_experiments",
+           "load_plugin", "UnknownExperimentError", "NORMAL", "ZERO"]
+
+
+class UnknownExperimentError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Eval:
+    name: str
+    gates: tuple | None = None  # (g_pos, g_content); None entries keep the model's own gate
+    length: int | None = None  # None: the training context
+
+    @property
+    def from_summary(self) -> bool:
+        return self.length is None and self.gates in (None, (None, None), (0.0, 0.0))
+
+
+NORMAL = Eval("normal")
+ZERO = Eval("zero", (0.0, 0.0))
+
+
+@dataclass
+class Cell:
+    cfg: RunConfig
+    row: str
+    col: str = ""
+    evals: tuple[Eval, ...] = (ZERO, NORMAL)
+
+
+@dataclass
+class Options:
+    seeds: int | None = None  # None: the experiment's (paper's) seed count
+    quick: bool = False
+    tasks: tuple[str, ...] | None = None
+
+    def n_seeds(self, default: int) -> int:
+        if self.seeds is not None:
+            return self.seeds
+        return 1 if self.quick else default
+
+    def run_kwargs(self) -> dict:
+        """Overrides for --quick: few steps, a small validation set."""
+        return dict(steps=200, eval_every=50, n_val=128) if self.quick else {}
+
+
+@dataclass
+class Experiment:
+    name: str
+    description: str
+    build: Callable[[Options], list[Cell]]
+    paper: dict[tuple[str, str], str] = field(default_factory=dict)  # (row, column label) -> paper value
+    curves: bool = True  # also plot training curves per row
+    analysis: Callable | None = None  # extra analysis (e.g. mechanism traces): f(store, cells, out_dir) -> md
+
+
+_REGISTRY: dict[str, Experiment] = {}
+
+
+def register_experiment(exp: Experiment, *, overwrite: bool = False) -> Experiment:
+    if exp.name in _REGISTRY and not overwrite:
+        raise ValueError(f"experiment {exp.name!r} is already registered (pass overwrite=True)")
+    _REGISTRY[exp.name] = exp
+    return exp
+
+
+def get_experiment(name: str) -> Experiment:
+    if name not in _REGISTRY:
+        raise UnknownExperimentError(f"unknown experiment {name!r}; allowed: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def list_experiments() -> list[tuple[str, str]]:
+    return [(e.name, e.description) for e in _REGISTRY.values()]
+
+
+def load_plugin(path: str) -> None:
+    """Execute a user's Python file that calls ``register_experiment`` / ``register_path``."""
+    runpy.run_path(path, run_name="softprior_plugin")
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _path_cells(opts: Options, paths, *, task="assoc_recall", models=("base",), seeds=3, seeds_for=None,
+                col_of=None, task_options=None, evals=(ZERO, NORMAL)) -> list[Cell]:
+    cells = []
+    for model in models:
+        for path in paths:
+            n = opts.n_seeds((seeds_for or {}).get(path, seeds))
+            for seed in range(n):
+                cfg = make_run_config(task, path, seed, model=model, task_options=task_options, **opts.run_kwargs())
+                if opts.quick and cfg.path.steps:  # derived runs: a short continuation too
+                    cfg = cfg.model_copy(update={"path": cfg.path.model_copy(update={"steps": 200})})
+                cells.append(Cell(cfg, row=path, col=col_of(model) if col_of else (model if len(models) > 1 else ""),
+                                  evals=evals))
+    return cells
+
+
+MAIN_PATHS = ["fade600", "linear0.5->0", "forced_const0.5", "unforced", "forced_zero"]
+TASK_VARIANTS = {  # label -> (task, task options)
+    "assoc_recall": ("assoc_recall", {}),
+    "markov p=0.2": ("markov", {"p": 0.2}),
+    "markov p=0.5": ("markov", {"p": 0.5}),
+    "markov p=0.8": ("markov", {"p": 0.8}),
+    "linear_icl": ("linear_icl", {}),
+}
+
+
+def _baseline_cells(opts: Options, tasks, evals=(ZERO, NORMAL), seeds=3) -> list[Cell]:
+    from .baselines import BASELINES
+    cells = []
+    for label, (task, topts) in TASK_VARIANTS.items():
+        if label not in tasks and task not in tasks:
+            continue
+        for b in BASELINES:
+            for seed in range(opts.n_seeds(seeds)):
+                cfg = make_run_config(task, seed=seed, baseline=b, task_options=topts, **opts.run_kwargs())
+                cells.append(Cell(cfg, row=b, col=label, evals=evals))
+    return cells
+
+
+# ------------------------------------------------------------------------------------- registry
+register_experiment(Experiment(
+    "removability", "headline: unforced vs forced_zero vs fade600->0 on associative recall (3 seeds)",
+    lambda o: _path_cells(o, ["unforced", "forced_zero", "fade600"]),
+    paper={("fade600", "zero"): ".734±.028", ("fade600", "normal"): ".694±.078",
+           ("unforced", "zero"): ".100±.006", ("unforced", "normal"): ".780±.007",
+           ("forced_zero", "zero"): ".094±.013", ("forced_zero", "normal"): ".092±.006"}))
+
+_T1 = {("fade600", "base"): (".734±.028", ".694±.078"), ("linear0.5->0", "base"): (".617±.024", ".792±.022"),
+       ("forced_const0.5", "base"): (".114±.006", ".164±.003"), ("unforced", "base"): (".100±.006", ".780±.007"),
+       ("forced_zero", "base"): (".094±.013", ".092±.006"),
+       ("fade600", "large"): (".731±.024", ".432±.091"), ("linear0.5->0", "large"): (".635±.040", ".778±.015"),
+       ("forced_const0.5", "large"): (".160±.011", ".212±.024"), ("unforced", "large"): (".102±.005", ".797±.017"),
+       ("forced_zero", "large"): (".102±.010", ".100±.016")}
+register_experiment(Experiment(
+    "paths", "Table 1: five training paths on associative recall, base and large (fade 5 seeds, others 3)",
+    lambda o: _path_cells(o, MAIN_PATHS, models=("base", "large"), seeds_for={"fade600": 5}),
+    paper={(r, f"{m} {e}"): v[i] for (r, m), v in _T1.items() for i, e in enumerate(("zero", "normal"))}))
+
+_T2 = {"fade600": (".734", ".694"), "hard_switch1050": (".293", ".367"), "hard_switch600": (".097", ".102"),
+       "posthoc": (".178", ".619"), "unforced": (".095", ".772"), "forced_zero": (".091", ".088")}
+register_experiment(Experiment(
+    "causal_controls", "Table 2: hard switches at 1050 and 600, post hoc zero continuation, controls (5 seeds)",
+    lambda o: _path_cells(o, list(_T2), seeds=5),
+    paper={(r, e): v[i] for r, v in _T2.items() for i, e in enumerate(("zero", "normal"))}))
+
+register_experiment(Experiment(
+    "fade_window", "fade start S in {400, 500, 600, 700, 800} (width 450), associative recall",
+    lambda o: _path_cells(o, [f"fade{s}" for s in (400, 500, 600, 700, 800)])))
+
+register_experiment(Experiment(
+    "fade_shapes", "fade600->0 with linear, cosine, convex, concave and two-step shapes",
+    lambda o: _path_cells(o, ["fade600"] + [f"fade600->0:{s}" for s in ("cosine", "convex", "concave", "two_step")])))
+
+register_experiment(Experiment(
+    "markov_paths", "Markov induction at p in {0.2, 0.5, 0.8}: unforced, forced_zero, fade600->0",
+    lambda o: [c for p in (0.2, 0.5, 0.8) for c in
+               _path_cells(o, ["unforced", "forced_zero", "fade600"], task="markov", task_options={"p": p},
+                           col_of=lambda m, p=p: f"p={p}")]))
+
+register_experiment(Experiment(
+    "linear_paths", "linear-regression ICL: normal and zero-gate query MSE/d (least squares is exact: 0)",
+    lambda o: _path_cells(o, ["unforced", "forced_zero", "fade600"], task="linear_icl")))
+
+register_experiment(Experiment(
+    "extra_controls", "prior dropout (50% of steps at g=0) and the dual condition loss, beside unforced and fade600",
+    lambda o: _path_cells(o, ["prior_dropout", "dual_loss", "unforced", "fade600"])))
+
+register_experiment(Experiment(
+    "static_baselines", "the thirteen positional baselines on every task (mean ± std over seeds)",
+    lambda o: _baseline_cells(o, o.tasks or tuple(TASK_VARIANTS), evals=(NORMAL,)), curves=False))
+
+register_experiment(Experiment(
+    "gate_interventions", "a soft_bias model evaluated with the content gate, the position gate, or both zeroed",
+    lambda o: [Cell(c.cfg, row="soft_bias", col=c.col, evals=(NORMAL, Eval("content=0", (None, 0.0)),
+                                                                Eval("pos=0", (0.0, None)), ZERO))
+               for c in _baseline_cells(o, o.tasks or ("assoc_recall",)) if c.row == "soft_bias"], curves=False))
+
+register_experiment(Experiment(
+    "length_generalisation", "associative recall trained at T=32, evaluated at T=32 and T=120, every baseline",
+    lambda o: _baseline_cells(o, ("assoc_recall",), evals=(NORMAL, Eval("T=120", None, 120))), curves=False))
+
+
+def _mechanism_cells(o: Options) -> list[Cell]:
+    cells = _path_cells(o, ["fade600"])
+    every = 50 if o.quick else 300
+    return [Cell(c.cfg.model_copy(update={"snapshot_every": every}), c.row, c.col, c.evals) for c in cells]
+
+
+def _mechanism_analysis(store, cells, out_dir):
+    from .report import mechanism_report
+    return mechanism_report(store, cells, out_dir)
+
+
+register_experiment(Experiment(
+    "mechanism_trace", "fade600->0 runs with a snapshot every 300 steps: successor-value mass and zero-gate "
+    "ablation importance per head over training", _mechanism_cells, analysis=_mechanism_analysis))

@@ -1,0 +1,256 @@
+"""Tables and figures from the run store (``softprior report`` and the end of ``reproduce``).
+
+Nothing here trains: "normal"/"zero" numbers come from each run's stored summary; other evaluations
+(gate overrides, other lengths) are computed from the stored weights on the run's validation seed.
+Outputs in OUT_DIR: table.md (mean ± std over seeds, the paper's value beside ours where the paper
+gives one), table.csv (mean, std, n per cell), figure.png (grouped bars with std error bars) and
+curves.png (accuracy over training, normal and zero gates, gate value on a second axis, fade
+window shaded).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .experiments import Cell, Eval, Experiment
+from .store import RunStore
+
+__all__ = ["collect", "aggregate", "write_report", "evaluate_cell"]
+
+
+def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = None) -> float:
+    from .tasks import make_task
+    from .train import evaluate
+    cfg = cell.cfg
+    summary = store.summary(cfg.run_id)
+    m = summary["metric"]
+    if ev.from_summary:
+        return float(summary[("zero_" if ev.gates == (0.0, 0.0) else "normal_") + m])
+    key = cfg.run_id
+    if _cache is not None and key in _cache:
+        model = _cache[key]
+    else:
+        _, model = store.load_model(cfg.run_id)
+        if _cache is not None:
+            _cache[key] = model
+    task = make_task(cfg.task)
+    length = ev.length or cfg.model.n_ctx
+    val = task.sample(cfg.n_val, length, torch.Generator().manual_seed(cfg.val_seed))
+    gp, gc = ev.gates if ev.gates is not None else (None, None)
+    return float(evaluate(model, task, val.inputs, val.targets, gp, gc)[m])
+
+
+def collect(store: RunStore, cells: list[Cell]):
+    """Long table: one row per (cell, evaluation) of every finished run."""
+    import pandas as pd
+    rows, cache = [], {}
+    for cell in cells:
+        if not store.is_done(cell.cfg.run_id):
+            continue
+        metric = store.summary(cell.cfg.run_id)["metric"]
+        for ev in cell.evals:
+            rows.append({"row": cell.row, "col": cell.col, "eval": ev.name, "seed": cell.cfg.seed, "metric": metric,
+                         "value": evaluate_cell(store, cell, ev, cache), "run_id": cell.cfg.run_id})
+    return pd.DataFrame(rows, columns=["row", "col", "eval", "seed", "metric", "value", "run_id"])
+
+
+def _label(col: str, ev: str) -> str:
+    return f"{col} {ev}".strip()
+
+
+def aggregate(long):
+    """(row, column label) -> mean, std (sample std, 0 for one seed), n; rows and columns in build order."""
+    import pandas as pd
+    if long.empty:
+        return pd.DataFrame(columns=["row", "column", "metric", "mean", "std", "n"])
+    long = long.assign(column=[_label(c, e) for c, e in zip(long["col"], long["eval"])])
+    g = long.groupby(["row", "column"], sort=False)
+    agg = g["value"].agg(["mean", "std", "count"]).reset_index().rename(columns={"count": "n"})
+    agg["std"] = agg["std"].fillna(0.0)
+    agg.insert(2, "metric", g["metric"].first().values)
+    return agg
+
+
+def _fmt(mean: float, std: float, metric: str) -> str:
+    if metric == "acc":
+        return f"{mean:.3f} ± {std:.3f}"
+    return f"{mean:.4g} ± {std:.2g}"
+
+
+def markdown_table(agg, paper: dict | None = None) -> str:
+    if agg.empty:
+        return "_no finished runs_\n"
+    rows = list(dict.fromkeys(agg["row"]))
+    cols = list(dict.fromkeys(agg["column"]))
+    paper = paper or {}
+    header = ["path / scheme"]
+    for c in cols:
+        header.append(c or "value")
+        if any((r, c) in paper for r in rows):
+            header.append(f"paper {c}".strip())
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    idx = {(r, c): (m, s, n, met) for r, c, met, m, s, n in agg[["row", "column", "metric", "mean", "std", "n"]]
+           .itertuples(index=False)}
+    for r in rows:
+        cells = [r]
+        for c in cols:
+            v = idx.get((r, c))
+            cells.append(_fmt(v[0], v[1], v[3]) + (f" (n={v[2]})" if v[2] != _mode_n(agg) else "") if v else "–")
+            if any((rr, c) in paper for rr in rows):
+                cells.append(paper.get((r, c), "–"))
+        lines.append("| " + " | ".join(cells) + " |")
+    n = _mode_n(agg)
+    return "\n".join(lines) + f"\n\nmean ± std over {n} seeds unless marked (n=...).\n"
+
+
+def _mode_n(agg) -> int:
+    return int(agg["n"].mode().iloc[0]) if not agg.empty else 0
+
+
+def plot_bars(agg, title: str, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    rows = list(dict.fromkeys(agg["row"]))
+    cols = list(dict.fromkeys(agg["column"]))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) * max(1, len(cols)) ** 0.5 + 2), 4))
+    width = 0.8 / max(1, len(cols))
+    x = np.arange(len(rows))
+    colors = plt.get_cmap("tab10")
+    for j, c in enumerate(cols):
+        sub = agg[agg["column"] == c].set_index("row").reindex(rows)
+        ax.bar(x + (j - (len(cols) - 1) / 2) * width, sub["mean"], width, yerr=sub["std"], capsize=2,
+               label=c or "value", color=colors(j % 10), alpha=0.9)
+    metric = agg["metric"].iloc[0]
+    ax.set_ylabel("accuracy" if metric == "acc" else "query MSE / d")
+    ax.set_xticks(x, rows, rotation=30, ha="right")
+    ax.set_title(title, fontsize=10)
+    if metric == "acc":
+        ax.set_ylim(0, 1.05)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path) -> bool:
+    """Per row (path): mean normal and zero-gate metric over training, gate value on a twin axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .schedules import Fade, HardSwitch
+    groups: dict[str, list[Cell]] = {}
+    for c in cells:
+        if store.is_done(c.cfg.run_id):
+            groups.setdefault(f"{c.row} {c.col}".strip(), []).append(c)
+    if not groups:
+        return False
+    n = len(groups)
+    ncols = min(3, n)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False)
+    for ax, (name, cs) in zip(axes.flat, groups.items()):
+        series = [store.metrics(c.cfg.run_id) for c in cs]
+        metric = store.summary(cs[0].cfg.run_id)["metric"]
+        steps = np.array([r["step"] for r in series[0]])
+        for kind, color in (("normal", "tab:blue"), ("zero", "tab:red")):
+            ys = np.array([[r[f"{kind}_{metric}"] for r in s[:len(steps)]] for s in series if len(s) >= len(steps)])
+            ax.plot(steps, ys.mean(0), color=color, label=f"{kind} gates")
+            if len(ys) > 1:
+                ax.fill_between(steps, ys.min(0), ys.max(0), color=color, alpha=0.15)
+        sched = cs[0].cfg.path.pos.schedule
+        if isinstance(sched, Fade):
+            ax.axvspan(sched.start_step, sched.end_step, color="gray", alpha=0.15, label="fade window")
+        elif isinstance(sched, HardSwitch):
+            ax.axvline(sched.at, color="gray", ls=":", label="switch")
+        ax2 = ax.twinx()
+        ax2.plot(steps, np.mean([[r["g_pos"] for r in s[:len(steps)]] for s in series], 0), color="black",
+                 ls="--", lw=1, label="g_pos")
+        ax2.set_ylim(-0.02, 1.02)
+        ax2.set_ylabel("gate", fontsize=8)
+        ax.set_title(f"{name} (n={len(cs)})", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(metric, fontsize=8)
+        if metric == "acc":
+            ax.set_ylim(0, 1.02)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    h1, l1 = axes.flat[0].get_legend_handles_labels()
+    fig.legend(h1 + [plt.Line2D([], [], color="black", ls="--")], l1 + ["g_pos (path)"], loc="lower center",
+               ncol=4, fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: str | Path) -> str:
+    """Write table.md, table.csv, figure.png (and curves.png) for ``exp``; return the markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    long = collect(store, cells)
+    agg = aggregate(long)
+    missing = sum(not store.is_done(c.cfg.run_id) for c in cells)
+    md = f"### {exp.name}\n\n{exp.description}\n\n" + markdown_table(agg, exp.paper)
+    if missing:
+        md += f"\n**{missing} of {len(cells)} runs are missing or failed** (see `softprior reproduce {exp.name}`).\n"
+    agg.to_csv(out / "table.csv", index=False, float_format="%.6g")
+    if not agg.empty:
+        plot_bars(agg, f"{exp.name}: {exp.description}", out / "figure.png")
+        if exp.curves:
+            plot_curves(store, cells, exp.name, out / "curves.png")
+    if exp.analysis is not None:
+        md += "\n" + exp.analysis(store, cells, out)
+    (out / "table.md").write_text(md)
+    return md
+
+
+def mechanism_report(store: RunStore, cells: list[Cell], out: Path, mass_threshold: float = 0.25,
+                     ablation_threshold: float = 0.03) -> str:
+    """Per seed: trace successor-value mass and zero-gate ablation importance from stored snapshots,
+    summarise, and draw heatmaps (step x layer.head) with the fade window marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .analysis import summarise_trace, trace, trace_matrix
+    from .schedules import Fade
+    done = [c for c in cells if store.is_done(c.cfg.run_id)]
+    if not done:
+        return ""
+    lines = ["| seed | top successor head | first step mass ≥ %.2f | top ablation head | first step ablation ≥ %.2f |"
+             % (mass_threshold, ablation_threshold), "|---|---|---|---|---|"]
+    fig, axes = plt.subplots(len(done), 2, figsize=(9, 2.6 * len(done)), squeeze=False)
+    for i, c in enumerate(done):
+        snaps = store.load_snapshots(c.cfg.run_id)
+        df = trace(snaps, c.cfg)
+        df.to_csv(out / f"trace_seed{c.cfg.seed}.csv", index=False, float_format="%.6g")
+        s = summarise_trace(df, mass_threshold, ablation_threshold)
+        lines.append(f"| {c.cfg.seed} | {s['top_successor_head']} | {s['successor_first_step']} | "
+                     f"{s['top_ablation_head']} | {s['ablation_first_step']} |")
+        sched = c.cfg.path.pos.schedule
+        for j, col in enumerate(("successor_mass", "ablation_importance")):
+            mat = trace_matrix(df, col)
+            ax = axes[i, j]
+            im = ax.imshow(mat.T.values, aspect="auto", cmap="viridis", origin="lower",
+                           extent=(mat.index.min(), mat.index.max(), -0.5, mat.shape[1] - 0.5))
+            ax.set_yticks(range(mat.shape[1]), list(mat.columns), fontsize=6)
+            if isinstance(sched, Fade):
+                for x in (sched.start_step, sched.end_step):
+                    ax.axvline(x, color="white", ls="--", lw=1)
+            ax.set_title(f"seed {c.cfg.seed}: {col}", fontsize=8)
+            fig.colorbar(im, ax=ax, fraction=0.04)
+    axes[-1, 0].set_xlabel("step")
+    axes[-1, 1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "heatmaps.png", dpi=100)
+    plt.close(fig)
+    return "\n".join(lines) + "\n\nHeatmaps: heatmaps.png (dashed lines: fade window).\n"
