@@ -99,7 +99,7 @@ def cmd_eval(args) -> int:
     cfg, model = store.load_model(args.run_id)
     gp, gc = parse_gates(args.gates)
     task = make_task(cfg.task)
-    length = args.length or cfg.model.n_ctx
+    length = cfg.model.n_ctx if args.length is None else args.length
     if length < task.min_length():
         raise CliError(f"--length {length} is too short for {cfg.task.name}; minimum {task.min_length()}")
     val = task.sample(cfg.n_val, length, torch.Generator().manual_seed(cfg.val_seed))

@@ -58,7 +58,13 @@ class RunConfig(BaseModel):
         return self.path.steps or self.steps
 
     def canonical(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude=NON_SEMANTIC_FIELDS)
+        """The hashed content: every field that changes the numbers (not labels or descriptions)."""
+        d = self.model_dump(mode="json", exclude=NON_SEMANTIC_FIELDS)
+        p = d["path"]
+        while p is not None:  # a path's help text is not part of its identity
+            p.pop("description", None)
+            p = p.get("parent")
+        return d
 
     @property
     def run_id(self) -> str:

@@ -60,7 +60,7 @@ class Options:
 
     def run_kwargs(self) -> dict:
         """Overrides for --quick: few steps, a small validation set."""
-        return dict(steps=200, eval_every=50, n_val=128) if self.quick else {}
+        return dict(steps=100, eval_every=25, n_val=128) if self.quick else {}
 
 
 @dataclass
@@ -108,7 +108,7 @@ def _path_cells(opts: Options, paths, *, task="assoc_recall", models=("base",), 
             for seed in range(n):
                 cfg = make_run_config(task, path, seed, model=model, task_options=task_options, **opts.run_kwargs())
                 if opts.quick and cfg.path.steps:  # derived runs: a short continuation too
-                    cfg = cfg.model_copy(update={"path": cfg.path.model_copy(update={"steps": 200})})
+                    cfg = cfg.model_copy(update={"path": cfg.path.model_copy(update={"steps": 100})})
                 cells.append(Cell(cfg, row=path, col=col_of(model) if col_of else (model if len(models) > 1 else ""),
                                   evals=evals))
     return cells
@@ -214,3 +214,32 @@ def _mechanism_analysis(store, cells, out_dir):
 register_experiment(Experiment(
     "mechanism_trace", "fade600->0 runs with a snapshot every 300 steps: successor-value mass and zero-gate "
     "ablation importance per head over training", _mechanism_cells, analysis=_mechanism_analysis))
+
+
+# ------------------------------------------------------------------------------------- calibration
+# Task-difficulty calibration (issue: calibrate only against the paper's unforced and forced_zero
+# rows). Each entry: label -> (assoc_recall task options, model options). Extend the grid here.
+CALIBRATION_GRID: dict[str, tuple[dict, dict]] = {
+    "pairs10": ({"n_pairs": 10}, {}),
+    "pairs12": ({"n_pairs": 12}, {}),
+    "pairs14": ({"n_pairs": 14}, {}),
+    "pairs12 prior x2": ({"n_pairs": 12}, {"prior_scale": 2.0}),
+}
+
+
+def _calibration_cells(o: Options) -> list[Cell]:
+    cells = []
+    for label, (topts, mopts) in CALIBRATION_GRID.items():
+        for path in ("unforced", "forced_zero"):
+            for seed in range(o.n_seeds(3)):
+                cfg = make_run_config("assoc_recall", path, seed, task_options=topts, model_options=mopts,
+                                      **o.run_kwargs())
+                cells.append(Cell(cfg, row=label, col=path))
+    return cells
+
+
+register_experiment(Experiment(
+    "calibration", "task/initialisation candidates vs the paper's difficulty rows (unforced .780/.100 normal/zero, "
+    "forced_zero .094 zero), base model, 3 seeds", _calibration_cells,
+    paper={(label, c): v for label in CALIBRATION_GRID for c, v in
+           (("unforced normal", ".780±.007"), ("unforced zero", ".100±.006"), ("forced_zero zero", ".094±.013"))}))

@@ -156,6 +156,8 @@ def get_path(name: str) -> PathConfig:
     m = _PATTERNS[3][0].match(name)
     if m:
         f = _float_in_unit(m.group(1), name)
+        if f >= 1.0:
+            raise UnknownPathError(f"prior dropout fraction {f} in path {name!r} must lie in [0, 1)")
         return PathConfig(name=f"prior_dropout{f:g}", description=f"unforced, gates 0 on a random {f:g} of steps",
                           prior_dropout=f)
     raise UnknownPathError(f"unknown path {name!r}; allowed: {', '.join(_FIXED_PATHS)}, "

@@ -107,7 +107,7 @@ def markdown_table(agg, paper: dict | None = None) -> str:
 
 
 def _mode_n(agg) -> int:
-    return int(agg["n"].mode().iloc[0]) if not agg.empty else 0
+    return int(agg["n"].max()) if not agg.empty else 0
 
 
 def plot_bars(agg, title: str, out: Path) -> None:
@@ -166,10 +166,12 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path) -> bo
             if len(ys) > 1:
                 ax.fill_between(steps, ys.min(0), ys.max(0), color=color, alpha=0.15)
         sched = cs[0].cfg.path.pos.schedule
-        if isinstance(sched, Fade):
-            ax.axvspan(sched.start_step, sched.end_step, color="gray", alpha=0.15, label="fade window")
-        elif isinstance(sched, HardSwitch):
+        if isinstance(sched, Fade) and sched.start_step < steps.max():
+            ax.axvspan(sched.start_step, min(sched.end_step, steps.max()), color="gray", alpha=0.15,
+                       label="fade window")
+        elif isinstance(sched, HardSwitch) and sched.at < steps.max():
             ax.axvline(sched.at, color="gray", ls=":", label="switch")
+        ax.set_xlim(0, steps.max())
         ax2 = ax.twinx()
         ax2.plot(steps, np.mean([[r["g_pos"] for r in s[:len(steps)]] for s in series], 0), color="black",
                  ls="--", lw=1, label="g_pos")

@@ -241,8 +241,10 @@ class RunStore:
 
     # ------------------------------------------------------------------ reading
     def _row(self, run_id: str):
+        if not run_id:
+            raise RunNotFoundError("empty run id")
         with self._connect() as db:
-            rows = db.execute("SELECT * FROM runs WHERE run_id LIKE ?", (run_id + "%",)).fetchall()
+            rows = db.execute("SELECT * FROM runs WHERE substr(run_id, 1, ?) = ?", (len(run_id), run_id)).fetchall()
         if not rows:
             raise RunNotFoundError(f"run {run_id!r} not found in store {str(self.root)!r}")
         if len(rows) > 1:

@@ -173,7 +173,7 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
             snapshots.append((done, _weights()))
         if on_checkpoint is not None and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < steps:
             ck = _snapshot(done, model, opt, data_gen, drop_gen, metrics, loss_sum, n_in_window)
-            ck["snapshots"] = snapshots
+            ck["snapshots"] = list(snapshots)
             on_checkpoint(ck)
         if bar is not None:
             bar.update(1)
@@ -201,7 +201,7 @@ def _snapshot(step, model, opt, data_gen, drop_gen, metrics, loss_sum, n_in_wind
     tensors["rng.data"] = data_gen.get_state()
     tensors["rng.drop"] = drop_gen.get_state()
     tensors["loss_sum"] = loss_sum.detach().clone().reshape(1)
-    meta = {"step": step, "n_in_window": n_in_window, "metrics": metrics}
+    meta = {"step": step, "n_in_window": n_in_window, "metrics": [dict(r) for r in metrics]}
     return {"tensors": tensors, "meta": meta}
 
 

@@ -1,0 +1,58 @@
+"""Step-time scaling of the training engine: batch size, context length, width, and K (runs per group).
+
+    python benchmarks/scaling.py > docs/scaling_table.md
+
+Prints a markdown table (ms per training step, or per run-step for groups). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from softprior.bench import _our_step, train_step_flops
+from softprior.config import make_run_config
+from softprior.engine import train_group
+
+
+def _ms(step, n=40, reps=3):
+    for _ in range(5):
+        step()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(n):
+            step()
+        out.append((time.perf_counter() - t) / n * 1000)
+    return statistics.median(out)
+
+
+def main():
+    rows = []
+    for model, B, T in [("base", 16, 32), ("base", 32, 32), ("base", 64, 32), ("base", 128, 32),
+                        ("base", 64, 64), ("base", 64, 120), ("large", 64, 32)]:
+        cfg = make_run_config("assoc_recall", "unforced", 0, model=model, batch_size=B,
+                              model_options={"n_ctx": T})
+        ms = _ms(_our_step(cfg))
+        rows.append((f"single, {model}, B={B}, T={T}", ms, train_step_flops(cfg) / ms / 1e6))
+        print(f"{rows[-1][0]}: {ms:.2f} ms", file=sys.stderr)
+    for K in (1, 2, 4, 8, 16):
+        steps = 60
+        cfgs = [make_run_config("assoc_recall", "unforced", k, steps=steps, eval_every=10 ** 6, n_val=64)
+                for k in range(K)]
+        t = time.perf_counter()
+        train_group(cfgs)
+        ms = (time.perf_counter() - t) * 1000 / (steps * K)
+        rows.append((f"group, base, B=64, T=32, K={K} (per run-step)", ms, train_step_flops(cfgs[0]) / ms / 1e6))
+        print(f"{rows[-1][0]}: {ms:.2f} ms", file=sys.stderr)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print("| configuration | ms / step | achieved GFLOP/s |\n|---|---|---|")
+    for name, ms, gf in rows:
+        print(f"| {name} | {ms:.2f} | {gf:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Shared fixtures for the softprior unit tests.
+
+Every run here is tiny (tens of steps, batch 16, 64 validation examples) so the whole suite stays
+fast on a shared 2-core machine. Torch is limited to one intra-op thread: for models this small the
+thread pool only adds overhead and contention with other processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from softprior.config import make_run_config
+from softprior.store import RunStore
+
+torch.set_num_threads(1)
+
+TINY = dict(steps=20, eval_every=10, n_val=64, batch_size=16)
+
+
+def tiny_config(task="assoc_recall", path="unforced", seed=0, **overrides):
+    """A RunConfig with steps=20, eval_every=10, n_val=64, batch_size=16 unless overridden."""
+    kw = {**TINY, **overrides}
+    return make_run_config(task, path, seed, **kw)
+
+
+@pytest.fixture
+def make_cfg():
+    """Factory fixture: ``make_cfg(task=..., path=..., seed=..., **RunConfig overrides)``."""
+    return tiny_config
+
+
+@pytest.fixture
+def tiny_cfg():
+    """The default tiny run: associative recall, unforced, seed 0, 20 steps."""
+    return tiny_config()
+
+
+@pytest.fixture
+def store(tmp_path):
+    """An empty run store in a fresh temporary directory."""
+    return RunStore(tmp_path / "store")
+
+
+def state_dicts_equal(a: dict, b: dict) -> bool:
+    """Bit-identical comparison of two state dicts (same keys, same dtypes, equal values)."""
+    if set(a) != set(b):
+        return False
+    return all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def patch_train(monkeypatch, fn):
+    """Replace ``softprior.train.train`` with ``fn`` wherever the runner machinery looks it up
+    (the module attribute, and names bound by ``from .train import train``). Returns the original."""
+    import importlib
+
+    train_mod = importlib.import_module("softprior.train")  # not `softprior.train`: that is the function
+    orig = train_mod.train
+    for name in ("softprior.train", "softprior.runner", "softprior.executors"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(mod, "train", None) is orig:
+            monkeypatch.setattr(mod, "train", fn)
+    return orig
+
+
+@pytest.fixture
+def train_calls(monkeypatch):
+    """Count the trainings the runner starts; records ``(cfg, kwargs)`` per call."""
+    calls = []
+    orig = None
+
+    def counting(cfg, *args, **kw):
+        calls.append((cfg, kw))
+        return orig(cfg, *args, **kw)
+
+    orig = patch_train(monkeypatch, counting)
+    return calls

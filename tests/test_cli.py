@@ -1,0 +1,213 @@
+"""The command line, called in-process: ``softprior.cli.main([...])``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from softprior.cli import main
+from softprior.config import make_run_config
+
+STEPS = "20"
+
+
+def cli(capsys, *argv):
+    """Run the CLI; return (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One tiny run trained through the CLI: (store dir, summary JSON, stdout, stderr)."""
+    store = str(tmp_path_factory.mktemp("cli") / "store")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["train", "--task", "assoc_recall", "--path", "unforced", "--seed", "0", "--steps", STEPS,
+                   "--store", store, "--json", "--no-progress"])
+    assert rc == 0, err.getvalue()
+    return store, last_json(out.getvalue()), out.getvalue(), err.getvalue()
+
+
+def assert_usage_error(rc, out, err, *must_name):
+    assert rc == 2
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    for s in must_name:
+        assert s in lines[0], (s, lines[0])
+
+
+# ------------------------------------------------------------------ train
+def test_train_json(trained):
+    store, s, out, err = trained
+    for k in ("run_id", "normal_acc", "zero_acc", "steps", "seconds"):
+        assert k in s, k
+    assert s["steps"] == 20
+    assert 0.0 <= s["normal_acc"] <= 1.0 and 0.0 <= s["zero_acc"] <= 1.0
+    # the CLI builds the same config as the Python API
+    assert s["run_id"] == make_run_config("assoc_recall", "unforced", 0, steps=20).run_id
+    assert not s.get("cached")
+    # with --json the human-readable header goes to stderr, so stdout is only the JSON line
+    assert len(out.strip().splitlines()) == 1
+    assert s["run_id"] in err
+
+
+def test_train_second_call_is_cached(trained, capsys):
+    store, first, _, _ = trained
+    rc, out, err = cli(capsys, "train", "--task", "assoc_recall", "--path", "unforced", "--seed", "0",
+                       "--steps", STEPS, "--store", store, "--json", "--no-progress")
+    assert rc == 0
+    second = last_json(out)
+    assert second.get("cached") is True
+    assert "already in store" in err
+    for k in ("run_id", "normal_acc", "zero_acc", "normal_loss", "zero_loss", "steps", "seconds"):
+        assert second[k] == first[k], k
+
+
+def test_train_human_output(tmp_path, capsys):
+    rc, out, err = cli(capsys, "train", "--path", "forced_zero", "--steps", "5", "--store", str(tmp_path / "s"),
+                       "--no-progress")
+    assert rc == 0
+    assert "normal acc" in out and "zero-gate acc" in out
+    assert make_run_config("assoc_recall", "forced_zero", 0, steps=5).run_id in out
+
+
+def test_train_other_tasks(tmp_path, capsys):
+    rc, out, _ = cli(capsys, "train", "--task", "linear_icl", "--path", "fade600", "--steps", "5",
+                     "--store", str(tmp_path / "s"), "--json", "--no-progress")
+    assert rc == 0
+    s = last_json(out)
+    assert s["metric"] == "mse" and "normal_mse" in s and "zero_mse" in s
+
+
+# ------------------------------------------------------------------ eval
+def test_eval_zero_gates_at_length_120(trained, capsys):
+    store, s, _, _ = trained
+    rc, out, _ = cli(capsys, "eval", s["run_id"], "--gates", "pos=0,content=0", "--length", "120",
+                     "--store", store, "--json")
+    assert rc == 0
+    e = last_json(out)
+    assert e["run_id"] == s["run_id"] and e["length"] == 120
+    assert e["g_pos"] == 0.0 and e["g_content"] == 0.0
+    assert e["metric"] == "acc" and 0.0 <= e["acc"] <= 1.0
+
+
+def test_eval_reproduces_training_numbers(trained, capsys):
+    """At the training length, eval with zero gates gives the run's zero-gate accuracy, and with the
+    model's own gates its normal accuracy (same fixed validation set)."""
+    store, s, _, _ = trained
+    rc, out, _ = cli(capsys, "eval", s["run_id"], "--gates", "pos=0,content=0", "--store", store, "--json")
+    assert rc == 0 and last_json(out)["acc"] == pytest.approx(s["zero_acc"])
+    rc, out, _ = cli(capsys, "eval", s["run_id"], "--store", store, "--json")
+    e = last_json(out)
+    assert rc == 0 and e["acc"] == pytest.approx(s["normal_acc"])
+    assert e["length"] == 32
+    assert e["g_pos"] == pytest.approx(s["model_g_pos"]) and e["g_content"] == pytest.approx(s["model_g_content"])
+
+
+def test_eval_one_gate_and_prefix(trained, capsys):
+    store, s, _, _ = trained
+    rc, out, _ = cli(capsys, "eval", s["run_id"][:8], "--gates", "pos=0", "--store", store, "--json")
+    e = last_json(out)
+    assert rc == 0 and e["run_id"] == s["run_id"]
+    assert e["g_pos"] == 0.0 and e["g_content"] == pytest.approx(s["model_g_content"])
+
+
+def test_eval_human_output(trained, capsys):
+    store, s, _, _ = trained
+    rc, out, _ = cli(capsys, "eval", s["run_id"], "--gates", "pos=0,content=0", "--store", store)
+    assert rc == 0 and s["run_id"] in out and "length 32" in out
+
+
+# ------------------------------------------------------------------ listings
+def test_paths_lists_names(capsys):
+    rc, out, _ = cli(capsys, "paths")
+    assert rc == 0
+    for name in ("unforced", "forced_zero", "forced_const0.5", "linear0.5->0", "posthoc", "fadeS->0",
+                 "hard_switchS", "prior_dropout"):
+        assert name in out, name
+
+
+def test_tasks_lists_names(capsys):
+    rc, out, _ = cli(capsys, "tasks")
+    assert rc == 0
+    for name in ("assoc_recall", "markov", "linear_icl"):
+        assert name in out
+
+
+# ------------------------------------------------------------------ bad input: exit 2, one line, no traceback
+@pytest.mark.parametrize("args,named", [
+    (["--task", "sorting"], ["sorting", "assoc_recall"]),
+    (["--path", "bogus_path"], ["bogus_path", "unforced"]),
+    (["--path", "fade600->0:sine"], ["sine", "cosine"]),
+    (["--path", "forced_const1.5"], ["1.5"]),
+    (["--model", "huge"], ["huge", "base"]),
+    (["--steps", "-1"], ["-1", "--steps"]),
+    (["--steps", "0"], ["--steps"]),
+    (["--seed", "-3"], ["seed", "-3"]),
+])
+def test_train_bad_input(tmp_path, capsys, args, named):
+    rc, out, err = cli(capsys, "train", *args, "--store", str(tmp_path / "s"), "--json", "--no-progress")
+    assert_usage_error(rc, out, err, *named)
+    assert not (tmp_path / "s" / "runs").exists() or not any((tmp_path / "s" / "runs").iterdir())
+
+
+@pytest.mark.parametrize("gates,named", [
+    ("pos", ["pos"]),
+    ("foo=0", ["foo", "pos", "content"]),
+    ("pos=2", ["pos", "2"]),
+    ("pos=-0.5", ["pos", "-0.5"]),
+    ("pos=abc", ["abc"]),
+    ("pos=0,content", ["content"]),
+])
+def test_eval_bad_gates(trained, capsys, gates, named):
+    store, s, _, _ = trained
+    rc, out, err = cli(capsys, "eval", s["run_id"], "--gates", gates, "--store", store, "--json")
+    assert_usage_error(rc, out, err, *named)
+
+
+def test_eval_unknown_run_id(trained, capsys):
+    store, _, _, _ = trained
+    rc, out, err = cli(capsys, "eval", "feedfacefeedface", "--store", store, "--json")
+    assert_usage_error(rc, out, err, "feedfacefeedface")
+
+
+def test_eval_length_too_short(trained, capsys):
+    store, s, _, _ = trained
+    rc, out, err = cli(capsys, "eval", s["run_id"], "--length", "5", "--store", store)
+    assert_usage_error(rc, out, err, "5")
+
+
+# Regression: cmd_eval uses `args.length or n_ctx`, so --length 0
+# silently evaluates at the training length instead of being rejected
+def test_eval_length_zero_is_rejected(trained, capsys):
+    store, s, _, _ = trained
+    rc, out, err = cli(capsys, "eval", s["run_id"], "--length", "0", "--store", store, "--json")
+    assert_usage_error(rc, out, err, "0")
+
+
+def test_unwritable_store(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    bad = str(blocker / "store")
+    rc, out, err = cli(capsys, "train", "--steps", STEPS, "--store", bad, "--json", "--no-progress")
+    assert_usage_error(rc, out, err, bad)
+    rc, out, err = cli(capsys, "eval", "0123abcd", "--store", bad)
+    assert_usage_error(rc, out, err, bad)
+
+
+def test_missing_positional_run_id_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["eval"])
+    assert ei.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err

@@ -1,0 +1,93 @@
+"""The fast paths against the readable definitions: grouped training equals single runs, and our
+model equals the plain reference model (benchmarks/reference.py) in logits and gradients."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from softprior.engine import group_key, train_group
+from softprior.train import train
+
+from conftest import tiny_config
+
+
+def _load_reference():
+    f = Path(__file__).resolve().parents[1] / "benchmarks" / "reference.py"
+    spec = importlib.util.spec_from_file_location("reference_model", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_runs_trained_in_a_group_match_runs_trained_alone():
+    cfgs = [tiny_config(path="unforced", seed=0, grad_clip=0.05),  # clipping is per run: this one clips hard
+            tiny_config(path="fade600", seed=1),
+            tiny_config(path="hard_switch10", seed=2),
+            tiny_config(path="prior_dropout", seed=3),
+            tiny_config(path="dual_loss", seed=4),
+            tiny_config(path="forced_zero", seed=5)]
+    grouped = train_group(cfgs)
+    for cfg, g in zip(cfgs, grouped):
+        alone = train(cfg)
+        assert len(alone.metrics) == len(g.metrics)
+        for ra, rg in zip(alone.metrics, g.metrics):
+            assert ra.keys() == rg.keys()
+            for k in ra:
+                assert ra[k] == pytest.approx(rg[k], abs=1e-5), (cfg.path.name, k)
+        for name, w in alone.state_dict.items():
+            assert torch.allclose(w, g.state_dict[name], atol=1e-5), (cfg.path.name, name)
+
+
+def test_group_rejects_configs_with_different_shapes():
+    with pytest.raises(ValueError, match="differ only"):
+        train_group([tiny_config(), tiny_config(batch_size=8)])
+    assert group_key(tiny_config(seed=0, path="unforced")) == group_key(tiny_config(seed=3, path="fade600"))
+
+
+def _copy_into_reference(ours, ref, d=64, H=4, r=2):
+    W = ours.embed.weight.detach()
+    with torch.no_grad():
+        ref.embed.weight.copy_(W)
+        for l, blk in enumerate(ours.blocks):
+            a, ra = blk.attn, ref.attns[l]
+            Win = a.in_proj.weight
+            ra.q.weight.copy_(Win[:d]); ra.k.weight.copy_(Win[d:2 * d]); ra.v.weight.copy_(Win[2 * d:3 * d])
+            ra.cu.weight.copy_(Win[3 * d:3 * d + H * r]); ra.cw.weight.copy_(Win[3 * d + H * r:])
+            ra.o.weight.copy_(a.out_proj.weight)
+            ra.pos_bias.copy_(a.pos_bias)
+            ref.lns[l].weight.copy_(blk.ln.weight); ref.lns[l].bias.copy_(blk.ln.bias)
+        ref.ln_f.weight.copy_(ours.ln_final.weight); ref.ln_f.bias.copy_(ours.ln_final.bias)
+        ref.gate_logits.copy_(ours.gate_logits.view(2))
+
+
+def test_model_matches_the_plain_reference_in_logits_and_gradients():
+    from softprior.train import build_model
+    cfg = tiny_config()
+    ours = build_model(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # random, non-trivial weights everywhere (prior tables, content factors, gates)
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    ref = _load_reference().RefModel()
+    _copy_into_reference(ours, ref)
+    tokens = torch.randint(0, 32, (8, 32), generator=g)
+    lo, lr = ours(tokens), ref(tokens)
+    assert torch.allclose(lo, lr, atol=1e-5, rtol=1e-5)
+    # the last-layer-at-loss-positions path too
+    assert torch.allclose(ours(tokens, positions=torch.tensor([31]))[:, 0], lr[:, -1], atol=1e-5, rtol=1e-5)
+    targets = torch.randint(0, 32, (8,), generator=g)
+    torch.nn.functional.cross_entropy(ours(tokens, positions=torch.tensor([31]))[:, 0], targets).backward()
+    torch.nn.functional.cross_entropy(ref(tokens)[:, -1], targets).backward()
+    d, H, r = 64, 4, 2
+    for l, blk in enumerate(ours.blocks):
+        gin, ra = blk.attn.in_proj.weight.grad, ref.attns[l]
+        ref_in = torch.cat([ra.q.weight.grad, ra.k.weight.grad, ra.v.weight.grad, ra.cu.weight.grad, ra.cw.weight.grad])
+        assert torch.allclose(gin, ref_in, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(blk.attn.pos_bias.grad, ra.pos_bias.grad, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(blk.attn.out_proj.weight.grad, ra.o.weight.grad, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(ours.embed.weight.grad, ref.embed.weight.grad, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(ours.gate_logits.grad.view(2), ref.gate_logits.grad, atol=1e-5, rtol=1e-4)

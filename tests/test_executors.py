@@ -1,0 +1,187 @@
+"""Sweeps: kill and resume, failures, concurrent sweeps on one store, and Ray against local."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from softprior.executors import execute
+from softprior.experiments import Options, get_experiment
+from softprior.report import aggregate, collect
+from softprior.store import RunStore
+
+from conftest import tiny_config
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "softprior.cli", *args]
+
+
+def _done_count(store_dir: Path) -> int:
+    if not (store_dir / "index.sqlite").exists():
+        return 0
+    try:
+        return sum(r["status"] == "done" for r in RunStore(store_dir).rows())
+    except Exception:  # the index may be mid-creation
+        return 0
+
+
+def _trained(stderr: str) -> int:
+    line = next(l for l in stderr.splitlines() if " trained, " in l)
+    return int(line.split(" trained, ")[0].rsplit(" ", 1)[1])
+
+
+def test_reproduce_survives_sigkill_and_resumes_only_missing_runs(tmp_path):
+    """Kill `reproduce paths --quick` partway; the re-run trains only what is missing and the final
+    table equals an uninterrupted sweep's."""
+    killed_store, clean_store = tmp_path / "killed", tmp_path / "clean"
+    p = subprocess.Popen(_cli("reproduce", "paths", "--quick", "--store", str(killed_store), "--out",
+                              str(tmp_path / "out_killed"), "--no-progress"), env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while _done_count(killed_store) < 3 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert p.poll() is None, "the sweep finished before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    done_before = _done_count(killed_store)
+    total = len(get_experiment("paths").build(Options(quick=True)))
+    assert 3 <= done_before < total
+
+    again = subprocess.run(_cli("reproduce", "paths", "--quick", "--store", str(killed_store), "--out",
+                                str(tmp_path / "out_killed"), "--no-progress"), env=ENV, capture_output=True,
+                           text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _trained(again.stderr) == total - done_before
+
+    clean = subprocess.run(_cli("reproduce", "paths", "--quick", "--store", str(clean_store), "--out",
+                                str(tmp_path / "out_clean"), "--no-progress"), env=ENV, capture_output=True,
+                           text=True, timeout=900)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    assert _trained(clean.stderr) == total
+    for f in ("table.csv", "table.md"):
+        assert (tmp_path / "out_killed" / f).read_text() == (tmp_path / "out_clean" / f).read_text()
+    assert (tmp_path / "out_killed" / "figure.png").stat().st_size > 1000
+
+
+def test_single_run_killed_mid_training_resumes_bit_identically(tmp_path):
+    args = ["train", "--task", "assoc_recall", "--path", "fade600", "--seed", "1", "--steps", "300",
+            "--checkpoint-every", "40", "--json", "--no-progress"]
+    killed = tmp_path / "killed"
+    p = subprocess.Popen(_cli(*args, "--store", str(killed)), env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    ckpt = None
+    while time.time() < deadline and p.poll() is None:
+        found = list(killed.glob("runs/*/checkpoint.safetensors"))
+        if found:
+            meta = RunStore(killed).load_checkpoint(found[0].parent.name)
+            if meta is not None and meta["meta"]["step"] >= 80:
+                ckpt = meta["meta"]["step"]
+                break
+        time.sleep(0.1)
+    assert p.poll() is None and ckpt is not None, "the run finished before a checkpoint was seen"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    resumed = subprocess.run(_cli(*args, "--store", str(killed)), env=ENV, capture_output=True, text=True, timeout=600)
+    clean = subprocess.run(_cli(*args, "--store", str(tmp_path / "clean")), env=ENV, capture_output=True, text=True,
+                           timeout=600)
+    assert resumed.returncode == 0 and clean.returncode == 0, resumed.stderr[-2000:] + clean.stderr[-2000:]
+    a, b = json.loads(resumed.stdout.splitlines()[-1]), json.loads(clean.stdout.splitlines()[-1])
+    for k in ("normal_acc", "zero_acc", "normal_loss", "zero_loss", "run_id"):
+        assert a[k] == b[k], k
+    rid = a["run_id"]
+    ka, kb = RunStore(killed), RunStore(tmp_path / "clean")
+    assert ka.metrics(rid) == kb.metrics(rid)
+    sa, sb = ka.load_state(rid), kb.load_state(rid)
+    assert all((sa[k] == sb[k]).all() for k in sa)
+
+
+def test_a_failing_run_is_recorded_and_the_sweep_goes_on(tmp_path):
+    store = RunStore(tmp_path / "s")
+    good = [tiny_config(seed=s) for s in range(2)]
+    bad = tiny_config(seed=9, lr=1e30, grad_clip=None)  # diverges: NaN loss
+    report = execute([good[0], bad, good[1]], store, progress=False)
+    assert report.trained == 2
+    assert [rid for rid, _ in report.failed] == [bad.run_id]
+    assert "non-finite" in report.failed[0][1]
+    assert store.status(bad.run_id) == "failed" and all(store.is_done(c.run_id) for c in good)
+    assert "1 failed" in report.line()
+
+
+def test_failing_run_inside_a_group_does_not_spoil_the_others(tmp_path):
+    store = RunStore(tmp_path / "s")
+    cfgs = [tiny_config(seed=0), tiny_config(seed=1, grad_clip=None), tiny_config(seed=2)]
+    # same group key, but one run raises: patch the group trainer to fail, forcing the single-run fallback
+    import softprior.engine as engine
+    orig = engine.train_group
+
+    def boom(cfgs_, **kw):
+        raise RuntimeError("group failure")
+    engine.train_group = boom
+    try:
+        report = execute(cfgs, store, group_size=3, progress=False)
+    finally:
+        engine.train_group = orig
+    assert report.trained == 3 and not report.failed
+
+
+def test_cli_reproduce_exit_code_reports_failures(tmp_path):
+    plugin = tmp_path / "plug.py"
+    plugin.write_text(
+        "from softprior.experiments import Experiment, Cell, register_experiment\n"
+        "from softprior.config import make_run_config\n"
+        "def build(o):\n"
+        "    kw = dict(steps=20, eval_every=10, n_val=64, batch_size=16)\n"
+        "    return [Cell(make_run_config('assoc_recall', 'unforced', 0, **kw), row='ok'),\n"
+        "            Cell(make_run_config('assoc_recall', 'unforced', 1, lr=1e30, grad_clip=None, **kw), row='bad')]\n"
+        "register_experiment(Experiment('tiny_fail', 'one good run, one diverging', build))\n")
+    r = subprocess.run(_cli("reproduce", "tiny_fail", "--plugin", str(plugin), "--store", str(tmp_path / "s"),
+                            "--out", str(tmp_path / "o"), "--no-progress"), env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1
+    assert "1 trained, 1 failed" in r.stderr and "FAILED" in r.stderr
+    assert "ok" in (tmp_path / "o" / "table.md").read_text()
+
+
+def test_two_concurrent_reproduce_processes_share_one_store(tmp_path):
+    store = tmp_path / "s"
+    cmd = _cli("reproduce", "removability", "--quick", "--seeds", "2", "--store", str(store), "--no-progress")
+    procs = [subprocess.Popen(cmd + ["--out", str(tmp_path / f"o{i}")], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
+    n = len(get_experiment("removability").build(Options(quick=True, seeds=2)))
+    assert sum(_trained(o[1]) for o in outs) == n  # every run trained exactly once
+    rows = RunStore(store).rows()
+    assert len(rows) == n and all(r["status"] == "done" for r in rows)
+    assert (tmp_path / "o0" / "table.csv").read_text() == (tmp_path / "o1" / "table.csv").read_text()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_executor_gives_the_same_table_as_local(tmp_path, ray_cluster):
+    exp = get_experiment("removability")
+    cells = exp.build(Options(quick=True))
+    tables = []
+    for executor in ("local", "ray"):
+        store = RunStore(tmp_path / executor)
+        report = execute([c.cfg for c in cells], store, executor=executor, workers=2, progress=False)
+        assert report.trained == len(cells) and not report.failed
+        tables.append(aggregate(collect(store, cells)))
+    assert tables[0].equals(tables[1])

@@ -1,0 +1,119 @@
+"""The experiment registry, plugins and report generation."""
+
+from __future__ import annotations
+
+import pytest
+
+from softprior.cli import main
+from softprior.executors import execute
+from softprior.experiments import (Cell, Experiment, Options, UnknownExperimentError, get_experiment,
+                                   list_experiments, load_plugin, register_experiment)
+from softprior.report import aggregate, collect, markdown_table, write_report
+from softprior.store import RunStore
+
+from conftest import tiny_config
+
+SPEC_EXPERIMENTS = ["static_baselines", "gate_interventions", "paths", "causal_controls", "fade_window", "fade_shapes",
+                    "markov_paths", "linear_paths", "extra_controls", "length_generalisation", "mechanism_trace",
+                    "removability"]
+
+
+def test_every_spec_experiment_is_registered_and_builds():
+    names = [n for n, _ in list_experiments()]
+    for n in SPEC_EXPERIMENTS:
+        assert n in names
+        cells = get_experiment(n).build(Options(quick=True))
+        assert cells and all(c.cfg.steps == 100 for c in cells)
+    with pytest.raises(UnknownExperimentError, match="allowed"):
+        get_experiment("nope")
+
+
+def test_paper_seed_counts_are_the_defaults():
+    cells = get_experiment("paths").build(Options())
+    seeds = {}
+    for c in cells:
+        seeds.setdefault((c.row, c.col), set()).add(c.cfg.seed)
+    assert len(seeds[("fade600", "base")]) == 5 and len(seeds[("unforced", "large")]) == 3
+    assert {c.cfg.model.d_model for c in cells} == {64, 128}
+    assert all(c.cfg.steps == 3600 for c in cells)
+    t2 = get_experiment("causal_controls").build(Options(seeds=2))
+    assert {c.row for c in t2} == {"fade600", "hard_switch1050", "hard_switch600", "posthoc", "unforced", "forced_zero"}
+    posthoc = [c for c in t2 if c.row == "posthoc"][0].cfg
+    assert posthoc.parent().path.name == "unforced" and posthoc.total_steps == 2550
+
+
+def test_markov_and_baseline_experiments_cover_their_grid():
+    mk = get_experiment("markov_paths").build(Options(seeds=1))
+    assert {c.col for c in mk} == {"p=0.2", "p=0.5", "p=0.8"} and {c.cfg.task.p for c in mk} == {0.2, 0.5, 0.8}
+    sb = get_experiment("static_baselines").build(Options(seeds=1))
+    assert len({c.row for c in sb}) == 13 and len({c.col for c in sb}) == 5
+    lg = get_experiment("length_generalisation").build(Options(seeds=1))
+    assert {e.length for c in lg for e in c.evals} == {None, 120}
+
+
+def test_user_experiment_from_a_python_file(tmp_path):
+    f = tmp_path / "mine.py"
+    f.write_text("from softprior.experiments import Experiment, Cell, register_experiment\n"
+                 "from softprior.config import make_run_config\n"
+                 "register_experiment(Experiment('mine_x', 'a user experiment', lambda o: "
+                 "[Cell(make_run_config('assoc_recall', 'fade40', s, steps=20, eval_every=10, n_val=32, batch_size=8), "
+                 "row='fade40') for s in range(2)]))\n")
+    load_plugin(str(f))
+    assert get_experiment("mine_x").description == "a user experiment"
+    with pytest.raises(ValueError, match="already registered"):
+        register_experiment(Experiment("mine_x", "again", lambda o: []))
+
+
+def test_report_rebuilds_from_the_store_without_training(tmp_path, capsys):
+    cells = [Cell(tiny_config(path=p, seed=s), row=p) for p in ("unforced", "forced_zero") for s in range(2)]
+    exp = Experiment("tiny_report", "two paths, two seeds", lambda o: cells)
+    store = RunStore(tmp_path / "s")
+    execute([c.cfg for c in cells], store, progress=False)
+    md = write_report(store, exp, cells, tmp_path / "out")
+    agg = aggregate(collect(store, cells))
+    # mean over seeds computed independently from the stored summaries
+    zs = [store.summary(c.cfg.run_id)["zero_acc"] for c in cells if c.row == "unforced"]
+    got = agg[(agg.row == "unforced") & (agg.column == "zero")]["mean"].item()
+    assert got == pytest.approx(sum(zs) / 2)
+    assert "| unforced |" in md and (tmp_path / "out" / "figure.png").exists()
+    assert (tmp_path / "out" / "curves.png").exists()
+    again = write_report(store, exp, cells, tmp_path / "out2")
+    assert again == md
+    assert (tmp_path / "out" / "table.csv").read_text() == (tmp_path / "out2" / "table.csv").read_text()
+
+
+def test_report_on_an_empty_store_says_so(tmp_path):
+    cells = [Cell(tiny_config(), row="unforced")]
+    md = write_report(RunStore(tmp_path / "s"), Experiment("e", "d", lambda o: cells), cells, tmp_path / "o")
+    assert "no finished runs" in md and "1 of 1 runs are missing" in md
+
+
+def test_gate_override_evaluations_are_computed_from_weights(tmp_path):
+    from softprior.experiments import NORMAL, ZERO, Eval
+    cfg = tiny_config(steps=30)
+    store = RunStore(tmp_path / "s")
+    execute([cfg], store, progress=False)
+    cell = Cell(cfg, row="soft_bias", evals=(NORMAL, ZERO, Eval("pos=0", (0.0, None)), Eval("T=120", None, 120)))
+    long = collect(store, [cell])
+    vals = dict(zip(long["eval"], long["value"]))
+    s = store.summary(cfg.run_id)
+    assert vals["normal"] == s["normal_acc"] and vals["zero"] == s["zero_acc"]
+    assert 0.0 <= vals["pos=0"] <= 1.0 and 0.0 <= vals["T=120"] <= 1.0
+
+
+def test_markdown_table_marks_unequal_seed_counts():
+    import pandas as pd
+    long = pd.DataFrame({"row": ["a", "a", "b"], "col": ["", "", ""], "eval": ["zero"] * 3, "seed": [0, 1, 0],
+                         "metric": ["acc"] * 3, "value": [0.5, 0.7, 0.2], "run_id": ["x", "y", "z"]})
+    md = markdown_table(aggregate(long), {("a", "zero"): ".6"})
+    assert "0.600 ± 0.141" in md and "(n=1)" in md and "paper zero" in md
+
+
+def test_cli_experiments_and_unknown_names(capsys):
+    assert main(["experiments"]) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in SPEC_EXPERIMENTS)
+    assert main(["reproduce", "nope"]) == 2
+    assert "unknown experiment 'nope'" in capsys.readouterr().err
+    assert main(["baselines"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 13
