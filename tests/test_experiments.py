@@ -117,3 +117,15 @@ def test_cli_experiments_and_unknown_names(capsys):
     assert "unknown experiment 'nope'" in capsys.readouterr().err
     assert main(["baselines"]) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 13
+
+
+def test_splice_into_doc_replaces_only_its_block(tmp_path):
+    from softprior.report import splice_into_doc
+    doc = tmp_path / "R.md"
+    doc.write_text("# Results\n\nintro\n")
+    splice_into_doc(doc, "paths", "| a |\n")
+    splice_into_doc(doc, "other", "| b |\n")
+    splice_into_doc(doc, "paths", "| new |\n")
+    text = doc.read_text()
+    assert text.count("<!-- table:paths -->") == 1 and "| new |" in text and "| a |" not in text
+    assert "| b |" in text and text.startswith("# Results\n\nintro\n")

@@ -49,6 +49,20 @@ def parse_gates(text: str | None) -> tuple:
     return vals.get("pos"), vals.get("content")
 
 
+def parse_options(items: list[str] | None) -> dict:
+    """['p=0.2', 'n_pairs=12'] -> {'p': 0.2, 'n_pairs': 12} (numbers parsed as JSON, else strings)."""
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise CliError(f"malformed option {item!r}; expected KEY=VALUE, e.g. p=0.2")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except ValueError:
+            out[k.strip()] = v
+    return out
+
+
 def _store(args):
     from .store import RunStore
     return RunStore(args.store)
@@ -72,7 +86,7 @@ def cmd_train(args) -> int:
     from .train import build_model
 
     cfg = make_run_config(args.task, args.path, args.seed, model=args.model, steps=args.steps,
-                          baseline=args.baseline,
+                          baseline=args.baseline, task_options=parse_options(args.task_opt),
                           **({"checkpoint_every": args.checkpoint_every} if args.checkpoint_every else {}))
     store = _store(args)
     n_params = build_model(cfg).n_params()
@@ -142,6 +156,9 @@ def cmd_reproduce(args) -> int:
                      group_size=args.group, address=args.address, progress=not args.no_progress)
     print(report.line(), file=sys.stderr)
     md = write_report(store, exp, cells, out)
+    if args.doc:
+        from .report import splice_into_doc
+        splice_into_doc(args.doc, exp.name, md)
     print(md)
     print(f"wrote {out}/table.md, table.csv, figure.png", file=sys.stderr)
     return 1 if report.failed else 0
@@ -151,7 +168,11 @@ def cmd_report(args) -> int:
     from .report import write_report
     exp, cells = _experiment(args)
     out = args.out or f"results/{exp.name}"
-    print(write_report(_store(args), exp, cells, out))
+    md = write_report(_store(args), exp, cells, out)
+    if args.doc:
+        from .report import splice_into_doc
+        splice_into_doc(args.doc, exp.name, md)
+    print(md)
     print(f"wrote {out}/table.md, table.csv, figure.png", file=sys.stderr)
     return 0
 
@@ -217,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--task", default="assoc_recall")
     t.add_argument("--path", default="fade600")
     t.add_argument("--baseline", default=None, help="a static baseline (see `softprior baselines`); sets the path")
+    t.add_argument("--task-opt", action="append", metavar="KEY=VALUE",
+                   help="task option, e.g. p=0.2 (markov) or n_pairs=12 (assoc_recall); repeatable")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--model", default="base", help=f"one of {', '.join(MODEL_PRESETS)}")
     t.add_argument("--steps", type=int, default=None, help="step budget (default 3600)")
@@ -244,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--quick", action="store_true", help="few steps and seeds: a smoke run")
         r.add_argument("--out", default=None, help="output directory (default results/NAME)")
         r.add_argument("--plugin", action="append", help="a Python file that registers experiments or paths")
+        r.add_argument("--doc", default=None, help="also splice the table into this markdown file "
+                       "(between <!-- table:NAME --> markers)")
         if name == "reproduce":
             r.add_argument("--executor", default="local", choices=["local", "ray"])
             r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray)")

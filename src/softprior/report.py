@@ -18,7 +18,23 @@ import torch
 from .experiments import Cell, Eval, Experiment
 from .store import RunStore
 
-__all__ = ["collect", "aggregate", "write_report", "evaluate_cell"]
+__all__ = ["collect", "aggregate", "write_report", "evaluate_cell", "splice_into_doc"]
+
+
+def splice_into_doc(doc: str | Path, name: str, md: str) -> None:
+    """Replace the text between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` in ``doc`` with
+    ``md`` (appending a new marked section if absent), so documents quote generated tables verbatim."""
+    doc = Path(doc)
+    text = doc.read_text() if doc.exists() else ""
+    start, end = f"<!-- table:{name} -->", f"<!-- /table:{name} -->"
+    block = f"{start}\n{md.rstrip()}\n{end}"
+    if start in text and end in text:
+        a, rest = text.split(start, 1)
+        _, b = rest.split(end, 1)
+        text = a + block + b
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
 
 
 def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = None) -> float:
