@@ -63,6 +63,24 @@ def parse_options(items: list[str] | None) -> dict:
     return out
 
 
+def _print_rows(rows) -> int:
+    width = max((len(n) for n, _ in rows), default=0) + 2
+    for name, desc in rows:
+        print(f"{name:<{width}} {desc}")
+    return 0
+
+
+def _write_report(args, exp, cells, store) -> None:
+    from .report import splice_into_doc, write_report
+    out = args.out or f"results/{exp.name}"
+    md = write_report(store, exp, cells, out)
+    if args.doc:
+        splice_into_doc(args.doc, exp.name, md)
+    print(md)
+    print(f"wrote {out}/table.md, table.csv, figure.png" + (f"; updated {args.doc}" if args.doc else ""),
+          file=sys.stderr)
+
+
 def _store(args):
     from .store import RunStore
     return RunStore(args.store)
@@ -146,34 +164,20 @@ def _experiment(args):
 
 def cmd_reproduce(args) -> int:
     from .executors import execute
-    from .report import write_report
     exp, cells = _experiment(args)
     store = _store(args)
-    out = args.out or f"results/{exp.name}"
     print(f"{exp.name}: {exp.description}\n{len(cells)} runs, store {args.store}, executor {args.executor}"
           f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {args.group}", file=sys.stderr)
     report = execute([c.cfg for c in cells], store, executor=args.executor, workers=args.workers,
                      group_size=args.group, address=args.address, progress=not args.no_progress)
     print(report.line(), file=sys.stderr)
-    md = write_report(store, exp, cells, out)
-    if args.doc:
-        from .report import splice_into_doc
-        splice_into_doc(args.doc, exp.name, md)
-    print(md)
-    print(f"wrote {out}/table.md, table.csv, figure.png", file=sys.stderr)
+    _write_report(args, exp, cells, store)
     return 1 if report.failed else 0
 
 
 def cmd_report(args) -> int:
-    from .report import write_report
     exp, cells = _experiment(args)
-    out = args.out or f"results/{exp.name}"
-    md = write_report(_store(args), exp, cells, out)
-    if args.doc:
-        from .report import splice_into_doc
-        splice_into_doc(args.doc, exp.name, md)
-    print(md)
-    print(f"wrote {out}/table.md, table.csv, figure.png", file=sys.stderr)
+    _write_report(args, exp, cells, _store(args))
     return 0
 
 
@@ -181,16 +185,12 @@ def cmd_experiments(args) -> int:
     from .experiments import list_experiments, load_plugin
     for f in args.plugin or []:
         load_plugin(f)
-    for name, desc in list_experiments():
-        print(f"{name:<22} {desc}")
-    return 0
+    return _print_rows(list_experiments())
 
 
 def cmd_baselines(args) -> int:
     from .baselines import list_baselines
-    for name, desc in list_baselines():
-        print(f"{name:<18} {desc}")
-    return 0
+    return _print_rows(list_baselines())
 
 
 def cmd_bench(args) -> int:
@@ -215,16 +215,12 @@ def cmd_export(args) -> int:
 
 def cmd_paths(args) -> int:
     from .paths import list_paths
-    for name, desc in list_paths():
-        print(f"{name:<22} {desc}")
-    return 0
+    return _print_rows(list_paths())
 
 
 def cmd_tasks(args) -> int:
     from .tasks import list_tasks
-    for name, desc in list_tasks():
-        print(f"{name:<14} {desc}")
-    return 0
+    return _print_rows(list_tasks())
 
 
 # ------------------------------------------------------------------------------------------ parser

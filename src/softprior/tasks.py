@@ -112,7 +112,8 @@ class Task:
         raise NotImplementedError
 
 
-class AssocRecall(Task):
+class _TokenTask(Task):
+    """Token in, next-token logits out; accuracy on the final position."""
     metric = "acc"
     input_kind = "tokens"
 
@@ -120,6 +121,8 @@ class AssocRecall(Task):
     def vocab(self) -> int:
         return self.cfg.vocab
 
+
+class AssocRecall(_TokenTask):
     def min_length(self) -> int:
         return 2 * self.cfg.n_pairs + 1
 
@@ -145,14 +148,7 @@ class AssocRecall(Task):
         return Batch(seq, vals.gather(1, which[:, None])[:, 0])
 
 
-class Markov(Task):
-    metric = "acc"
-    input_kind = "tokens"
-
-    @property
-    def vocab(self) -> int:
-        return self.cfg.vocab
-
+class Markov(_TokenTask):
     def min_length(self) -> int:
         return 4
 
