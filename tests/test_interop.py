@@ -180,3 +180,20 @@ def test_static_positional_baselines_are_refused():
     m = SoftPriorTransformer(ModelConfig(n_ctx=NCTX, vocab=VOCAB, positional="rope"))
     with pytest.raises(ValueError, match="rope"):
         to_hooked_transformer(m)
+
+
+def test_cli_export_of_a_stored_run(tmp_path, capsys):
+    from softprior.cli import main
+    from softprior.store import RunStore
+    store = str(tmp_path / "s")
+    assert main(["train", "--steps", "20", "--store", store, "--json", "--no-progress"]) == 0
+    rid = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_id"]
+    out = tmp_path / "tl.safetensors"
+    assert main(["export", rid, "--format", "transformer-lens", "--out", str(out), "--store", store]) == 0
+    _, ours = RunStore(store).load_model(rid)
+    tl = load_transformer_lens(out)
+    tokens = torch.randint(0, 32, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(tl(tokens), ours(tokens), atol=1e-4, rtol=1e-5)
+    assert main(["export", rid, "--format", "onnx", "--out", str(out), "--store", store]) == 2
+    assert "allowed: transformer-lens" in capsys.readouterr().err
