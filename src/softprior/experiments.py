@@ -243,3 +243,10 @@ register_experiment(Experiment(
     "forced_zero .094 zero), base model, 3 seeds", _calibration_cells,
     paper={(label, c): v for label in CALIBRATION_GRID for c, v in
            (("unforced normal", ".780±.007"), ("unforced zero", ".100±.006"), ("forced_zero zero", ".094±.013"))}))
+
+
+# ------------------------------------------------------------------------------------- our addition
+register_experiment(Experiment(
+    "late_fade", "not in the paper: fades that start after the unforced circuit has formed (S = 2000, 2400), "
+    "beside unforced; tests whether a smooth fade preserves a circuit that exists",
+    lambda o: _path_cells(o, ["unforced", "fade2000", "fade2400", "hard_switch2400"])))
