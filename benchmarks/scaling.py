@@ -18,7 +18,7 @@ from softprior.config import make_run_config
 from softprior.engine import train_group
 
 
-def _ms(step, n=40, reps=3):
+def _ms(step, n=20, reps=2):
     for _ in range(5):
         step()
     out = []
@@ -40,7 +40,7 @@ def main():
         rows.append((f"single, {model}, B={B}, T={T}", ms, train_step_flops(cfg) / ms / 1e6))
         print(f"{rows[-1][0]}: {ms:.2f} ms", file=sys.stderr)
     for K in (1, 2, 4, 8, 16):
-        steps = 60
+        steps = 30
         cfgs = [make_run_config("assoc_recall", "unforced", k, steps=steps, eval_every=10 ** 6, n_val=64)
                 for k in range(K)]
         t = time.perf_counter()
