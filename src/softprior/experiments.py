@@ -250,3 +250,14 @@ register_experiment(Experiment(
     "late_fade", "not in the paper: fades that start after the unforced circuit has formed (S = 2000, 2400), "
     "beside unforced; tests whether a smooth fade preserves a circuit that exists",
     lambda o: _path_cells(o, ["unforced", "fade2000", "fade2400", "hard_switch2400"])))
+
+
+def _late_mechanism_cells(o: Options) -> list[Cell]:
+    every = 50 if o.quick else 300
+    return [Cell(c.cfg.model_copy(update={"snapshot_every": every}), c.row, c.col, c.evals)
+            for c in _path_cells(o, ["fade2400"])]
+
+
+register_experiment(Experiment(
+    "mechanism_trace_late", "not in the paper: the mechanism trace of fade2400->0 runs (the fade starts after "
+    "the unforced circuit has formed)", _late_mechanism_cells, analysis=_mechanism_analysis))
