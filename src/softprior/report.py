@@ -244,7 +244,8 @@ def mechanism_report(store: RunStore, cells: list[Cell], out: Path, mass_thresho
     done = [c for c in cells if store.is_done(c.cfg.run_id)]
     if not done:
         return ""
-    lines = ["| seed | top successor head | first step mass ≥ %.2f | top ablation head | first step ablation ≥ %.2f |"
+    lines = ["| seed | top successor head (final mass) | first step mass ≥ %.2f | top ablation head (final drop) "
+             "| first step ablation ≥ %.2f |"
              % (mass_threshold, ablation_threshold), "|---|---|---|---|---|"]
     fig, axes = plt.subplots(len(done), 2, figsize=(9, 2.6 * len(done)), squeeze=False)
     for i, c in enumerate(done):
@@ -252,8 +253,14 @@ def mechanism_report(store: RunStore, cells: list[Cell], out: Path, mass_thresho
         df = trace(snaps, c.cfg)
         df.to_csv(out / f"trace_seed{c.cfg.seed}.csv", index=False, float_format="%.6g")
         s = summarise_trace(df, mass_threshold, ablation_threshold)
-        lines.append(f"| {c.cfg.seed} | {s['top_successor_head']} | {s['successor_first_step']} | "
-                     f"{s['top_ablation_head']} | {s['ablation_first_step']} |")
+        def head(h):
+            return f"L{h[0]}H{h[1]}" if h is not None else "–"
+
+        def step(v):
+            return "never" if v is None else str(v)
+        lines.append(f"| {c.cfg.seed} | {head(s['top_successor_head'])} ({s['top_successor_mass']:.2f}) | "
+                     f"{step(s['successor_first_step'])} | {head(s['top_ablation_head'])} "
+                     f"({s['top_ablation_importance']:.3f}) | {step(s['ablation_first_step'])} |")
         sched = c.cfg.path.pos.schedule
         for j, col in enumerate(("successor_mass", "ablation_importance")):
             mat = trace_matrix(df, col)
