@@ -29,7 +29,7 @@ import torch
 from torch.func import functional_call, stack_module_state, vmap
 
 from .config import RunConfig
-from .train import RunResult, TrainingDiverged, build_model, is_decayed, seeded_generator
+from .train import RunResult, TrainingDiverged, build_model, is_decayed, run_summary, seeded_generator
 from .tasks import make_task
 
 __all__ = ["train_group", "group_key"]
@@ -162,12 +162,7 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     results = []
     n_params = base.n_params()
     for k, c in enumerate(cfgs):
-        last, m = metrics[k][-1], task.metric
-        summary = {"run_id": c.run_id, "task": c.task.name, "path": c.path.name, "seed": c.seed, "metric": m,
-                   f"normal_{m}": last[f"normal_{m}"], f"zero_{m}": last[f"zero_{m}"],
-                   "normal_loss": last["normal_loss"], "zero_loss": last["zero_loss"], "chance": task.chance,
-                   "steps": steps, "seconds": seconds, "n_params": n_params, "group_size": K,
-                   "model_g_pos": last["model_g_pos"], "model_g_content": last["model_g_content"]}
+        summary = run_summary(c, task, metrics[k][-1], steps, seconds, n_params, group_size=K)
         state = {n: params[n][k].detach().clone() for n in names}
         results.append(RunResult(c, summary, metrics[k], state))
     return results

@@ -180,14 +180,19 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
     if bar is not None:
         bar.close()
 
-    last = metrics[-1]
-    m = task.metric
-    summary = {"run_id": cfg.run_id, "task": cfg.task.name, "path": cfg.path.name, "seed": cfg.seed,
-               "metric": m, f"normal_{m}": last[f"normal_{m}"], f"zero_{m}": last[f"zero_{m}"],
-               "normal_loss": last["normal_loss"], "zero_loss": last["zero_loss"], "chance": task.chance,
-               "steps": steps, "seconds": round(time.perf_counter() - t0, 3), "n_params": model.n_params(),
-               **_gate_summary(model)}
+    summary = run_summary(cfg, task, metrics[-1], steps, round(time.perf_counter() - t0, 3), model.n_params())
     return RunResult(cfg, summary, metrics, _weights(), snapshots)
+
+
+def run_summary(cfg: RunConfig, task: Task, last: dict, steps: int, seconds: float, n_params: int,
+                **extra) -> dict:
+    """A finished run's summary, from its final evaluation row (shared by train and engine)."""
+    m = task.metric
+    return {"run_id": cfg.run_id, "task": cfg.task.name, "path": cfg.path.name, "seed": cfg.seed, "metric": m,
+            f"normal_{m}": last[f"normal_{m}"], f"zero_{m}": last[f"zero_{m}"],
+            "normal_loss": last["normal_loss"], "zero_loss": last["zero_loss"], "chance": task.chance,
+            "steps": steps, "seconds": seconds, "n_params": n_params,
+            "model_g_pos": last["model_g_pos"], "model_g_content": last["model_g_content"], **extra}
 
 
 # ------------------------------------------------------------------------------- checkpoints
