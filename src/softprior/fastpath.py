@@ -1,0 +1,250 @@
+"""The fast training forward: the readable model's function (``model.py``), rewritten for speed and
+batched over a leading run dimension K (K = 1 for a single run).
+
+``model.SoftPriorTransformer`` stays the one definition of the model; this module computes the
+same logits from the same parameters (a test holds logits and gradients equal to 1e-5 on random
+weights, ``tests/test_fastpath.py``) with fewer, larger kernels. Autograd does the backward.
+
+What it does differently (each an exact algebraic identity, so only rounding differs):
+
+1. **LayerNorm weight and bias folded into the next projection.** With n = (x - mean) / std,
+   ``LN(x) W^T = n (W diag(w))^T + W b``: the [B, T, d] affine multiply and its backward become an
+   op on a 208 x 64 weight.
+2. **One projection per layer, rows permuted per head**: the in_proj rows are reordered so that the
+   output holds, per head, ``[Q_h / sqrt(d_head), g_content,h U_h]`` and ``[K_h, W_h]`` side by
+   side. The paper's logits ``Q K^T / sqrt(d_head) + g_c (xU)(xV)^T`` are then one batched matmul
+   of the two blocks, without a concatenation; the scale and the content gate ride on the weight.
+3. **The last layer, re-associated at the loss positions.** Only the positions that carry loss
+   need outputs, so instead of projecting keys and values at every position,
+   ``q_i . (W_K n_j + W_K b) = (W_K^T q_i) . n_j + const_i`` (the constant cancels in the softmax) and
+   ``sum_j P_ij (W_V n_j + W_V b) = W_V (sum_j P_ij n_j) + W_V b`` (rows of P sum to 1); the output
+   projection is folded in as ``M_h = W_O,h W_V,h`` (d x d per head). The last layer's cost then
+   scales with the number of loss positions, not the context length.
+5. **Layer 0 of a token model works on the vocabulary.** Its input is the token embedding, so
+   ``LN(E[tok]) W^T = (LN(E) W^T)[tok]``: the per-head query, key and value rows are projected for
+   the V vocabulary entries once and gathered by token, straight into the head-major layout the
+   batched attention matmuls want (no [B*T, d] x [d, 3d] projection, no head-split copies).
+4. **The residual add fused into the output projection** (``baddbmm``), the position bias gathered
+   once per step as [K, H, T, T] with the causal mask added in, no [B, H, T, T] bias tensor.
+
+Supported: the soft-prior model with no static positional scheme (``positional == "none"``; the
+NoPE/soft_* baselines and every path), token and vector tasks, any gate granularity. Anything
+else (static schemes, active hooks) goes through the readable model (``supports``).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from .model import ModelConfig
+
+__all__ = ["supports", "fast_forward", "stacked_params"]
+
+
+def supports(cfg: ModelConfig) -> bool:
+    """Whether ``fast_forward`` computes this model (else use the readable model)."""
+    return cfg.positional == "none"
+
+
+def stacked_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A single model's parameters as a run-stacked dict (K = 1 views; gradients flow back)."""
+    return {n: p.unsqueeze(0) for n, p in model.named_parameters()}
+
+
+@lru_cache(maxsize=64)
+def _perms(d: int, H: int, dh: int, r: int):
+    """Row orders of in_proj (stored as Q | K | V | U | W): per head [Q_h, U_h] then [K_h, W_h], then V."""
+    qu, kw = [], []
+    for h in range(H):
+        qu += list(range(h * dh, (h + 1) * dh)) + list(range(3 * d + h * r, 3 * d + (h + 1) * r))
+        kw += list(range(d + h * dh, d + (h + 1) * dh)) + list(range(3 * d + H * r + h * r, 3 * d + H * r + (h + 1) * r))
+    v = list(range(2 * d, 3 * d))
+    return torch.tensor(qu), torch.tensor(kw), torch.tensor(v)
+
+
+@lru_cache(maxsize=64)
+def _geometry(T: int, n_ctx: int, positions: tuple[int, ...] | None):
+    """Clipped relative offsets and the causal mask (0 / -inf) for all queries and for ``positions``."""
+    kpos = torch.arange(T)
+    qpos = kpos if positions is None else torch.tensor(positions)
+    off = (qpos[:, None] - kpos[None, :]).clamp(0, n_ctx - 1)
+    mask = torch.zeros(len(qpos), T).masked_fill_(qpos[:, None] < kpos[None, :], float("-inf"))
+    return off, mask
+
+
+def _row_scale(qu_len_per_head: int, dh: int, g_content: torch.Tensor) -> torch.Tensor:
+    """[K, H * (dh + r)]: 1/sqrt(dh) on the Q rows, the head's content gate on its U rows."""
+    K, H = g_content.shape
+    r = qu_len_per_head - dh
+    q = torch.full((K, H, dh), 1.0 / math.sqrt(dh), dtype=g_content.dtype)
+    u = g_content[:, :, None].expand(K, H, r)
+    return torch.cat([q, u], dim=-1).reshape(K, H * qu_len_per_head)
+
+
+def _pos_bias(table: torch.Tensor, g_pos: torch.Tensor, off: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """g_pos,h * B^pos_h[i - j] + causal mask: [K, H, Tq, T] (broadcast over the batch by the caller)."""
+    return g_pos[:, :, None, None] * table[:, :, off] + mask
+
+
+class _Gather(torch.autograd.Function):
+    """rows = table[idx] (idx any shape, table [N, w]) with an ``index_add_`` backward: the
+    embedding backward sorts its indices and measured 3-4x slower for these few, often repeated rows."""
+
+    @staticmethod
+    def forward(ctx, table, idx):
+        ctx.save_for_backward(idx)
+        ctx.n = table.shape[0]
+        return table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        return g.new_zeros(ctx.n, g.shape[1]).index_add_(0, idx.reshape(-1), g), None
+
+
+class _Attention(torch.autograd.Function):
+    """z = softmax(q k^T + bias) v for a head-major batch, with a hand-written backward.
+
+    q, k: [K*H*B, T, e]; v: [K*H*B, T, dh]; bias: [K, H, Tq, T] (broadcast over B). Backward
+    (the softmax Jacobian applied row-wise): dP = dz v^T, dS = P * (dP - sum_j dP P), dq = dS k,
+    dk = dS^T q, dv = P^T dz, dbias = sum_B dS. One node instead of eight, and every kernel sees
+    contiguous operands (autograd's softmax backward got a strided gradient and ran 5x slower).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias):
+        K, H, Tq, T = bias.shape
+        s = torch.bmm(q, k.transpose(1, 2)).view(K, H, -1, Tq, T).add_(bias.unsqueeze(2))
+        p = torch.softmax(s, -1).view(q.shape[0], Tq, T)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.shape = (K, H, Tq, T)
+        return torch.bmm(p, v)
+
+    @staticmethod
+    def backward(ctx, dz):
+        q, k, v, p = ctx.saved_tensors
+        K, H, Tq, T = ctx.shape
+        dz = dz.contiguous()
+        dp = torch.bmm(dz, v.transpose(1, 2))
+        ds = torch.ops.aten._softmax_backward_data(dp, p, -1, p.dtype)
+        dq = torch.bmm(ds, k) if ctx.needs_input_grad[0] else None
+        dk = torch.bmm(ds.transpose(1, 2), q) if ctx.needs_input_grad[1] else None
+        dv = torch.bmm(p.transpose(1, 2), dz) if ctx.needs_input_grad[2] else None
+        db = ds.view(K, H, -1, Tq, T).sum(2) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, db
+
+
+def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return _Gather.apply(table, idx)
+
+
+def _layer_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, x.shape[-1:], eps=1e-5)
+
+
+def _proj(n: torch.Tensor, W: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor) -> torch.Tensor:
+    """LN(x) W^T with the LayerNorm affine folded into W (point 1): n [K, N, d], W [K, m, d] -> [K, N, m]."""
+    return torch.baddbmm((W @ ln_b[:, :, None]).transpose(1, 2), n, (W * ln_w[:, None, :]).transpose(1, 2))
+
+
+def _take(x: torch.Tensor, pos: tuple[int, ...]) -> torch.Tensor:
+    """x[:, :, pos] ([K, B, T, d]); a strided slice when the positions are evenly spaced (a cheaper backward)."""
+    step = pos[1] - pos[0] if len(pos) > 1 else 1
+    if step > 0 and list(pos) == list(range(pos[0], pos[-1] + 1, step)):
+        return x[:, :, pos[0]:pos[-1] + 1:step]
+    return x[:, :, list(pos)]
+
+
+def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torch.Tensor,
+                 g_pos: torch.Tensor, g_content: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Outputs at ``positions`` for K runs at once.
+
+    params: run-stacked parameters [K, ...] named as ``SoftPriorTransformer.named_parameters()``.
+    inputs: [K, B, T] tokens or [K, B, T, d_in] vectors (or without K: shared by all runs).
+    g_pos, g_content: [K, L, H] gate values (as ``model.gates`` gives them, per run).
+    Returns [K, B, P, vocab] logits (or [K, B, P, d_out]), equal to
+    ``model(inputs, g_pos, g_content, positions=positions)`` for each run.
+    """
+    L, H, d, dh, r = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
+    e = dh + r
+    K = g_pos.shape[0]
+    tokens = cfg.d_in is None
+    if inputs.dim() == (2 if tokens else 3):
+        inputs = inputs.expand(K, *inputs.shape)
+    B, T = inputs.shape[1], inputs.shape[2]
+    pos = tuple(int(p) for p in positions.tolist())
+    P = len(pos)
+    qu_i, kw_i, v_i = _perms(d, H, dh, r)
+    off_all, mask_all = _geometry(T, cfg.n_ctx, None)
+    off_q, mask_q = _geometry(T, cfg.n_ctx, pos)
+
+    if tokens:
+        E = params["embed.weight"]  # [K, V, d]
+        V = E.shape[1]
+        idx = inputs + (torch.arange(K) * V).view(K, 1, 1)
+        x = _gather(E.reshape(K * V, d), idx)  # [K, B, T, d]
+    else:
+        x = torch.baddbmm(params["read_in.bias"].unsqueeze(1), inputs.reshape(K, B * T, -1),
+                          params["read_in.weight"].transpose(1, 2)).view(K, B, T, d)
+    x = x.reshape(K, B * T, d)
+
+    for l in range(L):
+        pre = f"blocks.{l}."
+        W = params[pre + "attn.in_proj.weight"]  # [K, 3d + 2Hr, d]
+        ln_w, ln_b = params[pre + "ln.weight"], params[pre + "ln.bias"]  # [K, d]
+        W_out = params[pre + "attn.out_proj.weight"]  # [K, d, d]
+        table = params[pre + "attn.pos_bias"]  # [K, H, n_ctx]
+        gp, gc = g_pos[:, l], g_content[:, l]  # [K, H]
+        W_qu = W[:, qu_i] * _row_scale(e, dh, gc)[:, :, None]  # [K, H*e, d]
+        if l < L - 1:
+            if l == 0 and tokens:
+                # layer 0 sees token embeddings only: project the V vocabulary rows once and gather
+                # the per-head rows by token (point 5), straight into the [K, H, B, T, .] layout
+                nE = _layer_norm(E)  # [K, V, d]
+                hidx = inputs.unsqueeze(1) + (torch.arange(K * H) * V).view(K, H, 1, 1)  # [K, H, B, T]
+
+                def heads(Wr, width):
+                    tab = _proj(nE, Wr, ln_w, ln_b).view(K, V, H, width).transpose(1, 2)  # [K, H, V, w]
+                    return _gather(tab.reshape(K * H * V, width), hidx).view(K * H * B, T, width)
+            else:
+                n = _layer_norm(x)  # [K, B*T, d] (the affine part is folded into the weights)
+
+                def heads(Wr, width):  # three projections of one n: slicing a fused output costs more
+                    y = _proj(n, Wr, ln_w, ln_b).view(K, B, T, H, width)
+                    return y.permute(0, 3, 1, 2, 4).reshape(K * H * B, T, width)
+            qe, ke, v = heads(W_qu, e), heads(W[:, kw_i], e), heads(W[:, v_i], dh)
+            z = _Attention.apply(qe, ke, v, _pos_bias(table, gp, off_all, mask_all))  # [K*H*B, T, dh]
+            z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
+            x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 4)
+        else:
+            # queries at the loss positions only; keys and values re-associated onto n (point 3)
+            n4 = _layer_norm(x).view(K, B, T, d)
+            q = _proj(_take(n4, pos).reshape(K, B * P, d), W_qu, ln_w, ln_b)  # [K, B*P, H*e]
+            W_kw = (W[:, kw_i] * ln_w[:, None, :]).view(K, H, e, d)
+            q = q.view(K, B * P, H, e).transpose(1, 2).reshape(K * H, B * P, e)
+            qt = torch.bmm(q, W_kw.reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
+            qt = qt.view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
+            s = torch.bmm(qt, n4.reshape(K * B, T, d).transpose(1, 2)).view(K, B, H, P, T)
+            s = s + _pos_bias(table, gp, off_q, mask_q).unsqueeze(1)
+            nbar = torch.bmm(s.softmax(-1).view(K * B, H * P, T), n4.reshape(K * B, T, d))  # [K*B, H*P, d]
+            nbar = nbar.view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
+            W_v = (W[:, v_i] * ln_w[:, None, :]).view(K, H, dh, d)
+            W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
+            M = torch.matmul(W_o, W_v)  # [K, H, d, d] = W_O,h W_V,h
+            c = W_out @ (W[:, v_i] @ ln_b[:, :, None])  # [K, d, 1] = W_O W_V b
+            xq = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
+            x = torch.baddbmm(xq + c.transpose(1, 2), nbar, M.permute(0, 1, 3, 2).reshape(K, H * d, d))
+    n = _layer_norm(x)  # [K, B*P, d]
+    wf, bf = params["ln_final.weight"], params["ln_final.bias"]
+    if tokens:
+        out = torch.baddbmm((E @ bf[:, :, None]).transpose(1, 2), n, (E * wf[:, None, :]).transpose(1, 2))
+    else:
+        Wr, br = params["read_out.weight"], params["read_out.bias"]
+        out = torch.baddbmm((Wr @ bf[:, :, None]).transpose(1, 2) + br[:, None, :], n,
+                            (Wr * wf[:, None, :]).transpose(1, 2))
+    return out.view(K, B, P, -1)
