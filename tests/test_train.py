@@ -9,7 +9,6 @@ import torch
 
 import softprior.runner as runner_mod
 from conftest import state_dicts_equal, tiny_config
-from softprior.model import SoftPriorTransformer
 from softprior.paths import GateConfig, PathConfig, get_path
 from softprior.schedules import Fade, HardSwitch
 from softprior.tasks import make_task
@@ -22,15 +21,19 @@ train_mod = importlib.import_module("softprior.train")
 
 @pytest.fixture
 def forward_calls(monkeypatch):
-    """Record (batch size, gate_pos, gate_content, inputs) of every model forward call."""
+    """Record (batch size, gate_pos, gate_content, inputs) of every forward call the training loop
+    makes (``train.model_forward``: the fast path or the readable model)."""
+    import importlib
+
+    train_mod = importlib.import_module("softprior.train")
     calls = []
-    orig = SoftPriorTransformer.forward
+    orig = train_mod.model_forward
 
-    def spy(self, inputs, gate_pos=None, gate_content=None, positions=None):
+    def spy(model, inputs, gate_pos=None, gate_content=None, positions=None):
         calls.append((inputs.shape[0], gate_pos, gate_content, inputs.clone()))
-        return orig(self, inputs, gate_pos, gate_content, positions=positions)
+        return orig(model, inputs, gate_pos, gate_content, positions)
 
-    monkeypatch.setattr(SoftPriorTransformer, "forward", spy)
+    monkeypatch.setattr(train_mod, "model_forward", spy)
     return calls
 
 

@@ -28,6 +28,7 @@ import time
 import torch
 from torch.func import functional_call, stack_module_state, vmap
 
+from . import fastpath
 from .config import RunConfig
 from .train import RunResult, TrainingDiverged, build_model, is_decayed, run_summary, seeded_generator
 from .tasks import make_task
@@ -77,11 +78,16 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     learned_con = torch.tensor([c.path.content.mode == "learned" for c in cfgs])
     dual = torch.tensor([float(c.path.dual_loss) for c in cfgs])
 
-    def fwd(p, inputs, gp, gc):
-        return functional_call(base, p, (inputs, gp, gc), {"positions": loss_pos})
+    if fastpath.supports(c0.model):  # hand-fused and run-stacked already (fastpath.py)
+        def batched(p, inputs, gp, gc):
+            return fastpath.fast_forward(p, c0.model, inputs, gp, gc, loss_pos)
+        batched_val = batched
+    else:  # static positional schemes: the readable model, vmapped over the runs
+        def fwd(p, inputs, gp, gc):
+            return functional_call(base, p, (inputs, gp, gc), {"positions": loss_pos})
 
-    batched = vmap(fwd, in_dims=(0, 0, 0, 0))
-    batched_val = vmap(fwd, in_dims=(0, None, 0, 0))
+        batched = vmap(fwd, in_dims=(0, 0, 0, 0))
+        batched_val = vmap(fwd, in_dims=(0, None, 0, 0))
 
     def per_run_loss(out, targets):  # out [K, B, P, ...], targets [K, B, ...] -> [K]
         return vmap(task.loss)(out, targets)

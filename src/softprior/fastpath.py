@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from .model import ModelConfig
 
-__all__ = ["supports", "fast_forward", "stacked_params"]
+__all__ = ["supports", "fast_forward", "stacked_params", "model_forward"]
 
 
 def supports(cfg: ModelConfig) -> bool:
@@ -53,6 +53,16 @@ def supports(cfg: ModelConfig) -> bool:
 def stacked_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A single model's parameters as a run-stacked dict (K = 1 views; gradients flow back)."""
     return {n: p.unsqueeze(0) for n, p in model.named_parameters()}
+
+
+def model_forward(model, inputs: torch.Tensor, gate_pos=None, gate_content=None,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``model(inputs, gate_pos, gate_content, positions=positions)`` for one run: through
+    ``fast_forward`` when it supports the model and no hooks are active, else the readable model."""
+    if positions is None or not supports(model.cfg) or model.hook_state.active:
+        return model(inputs, gate_pos, gate_content, positions=positions)
+    gp, gc = model.gates(gate_pos, gate_content)
+    return fast_forward(stacked_params(model), model.cfg, inputs, gp[None], gc[None], positions)[0]
 
 
 @lru_cache(maxsize=64)

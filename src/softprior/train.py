@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from .config import RunConfig
+from .fastpath import model_forward
 from .model import SoftPriorTransformer
 from .tasks import Task, make_task
 
@@ -84,7 +85,7 @@ def evaluate(model: SoftPriorTransformer, task: Task, inputs, targets, gate_pos=
     """Metric and loss of ``model`` on a batch under a gate override (None = the model's gates)."""
     T = inputs.shape[1] if length is None else length
     pos = task.loss_positions(T)
-    out = model(inputs, gate_pos, gate_content, positions=pos)
+    out = model_forward(model, inputs, gate_pos, gate_content, positions=pos)
     return {task.metric: float(task.score(out, targets)), "loss": float(task.loss(out, targets))}
 
 
@@ -142,9 +143,9 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
         if path.prior_dropout > 0 and float(torch.rand((), generator=drop_gen)) < path.prior_dropout:
             gp = gc = 0.0
         batch = task.sample(cfg.batch_size, T, data_gen)
-        loss = task.loss(model(batch.inputs, gp, gc, positions=loss_pos), batch.targets)
+        loss = task.loss(model_forward(model, batch.inputs, gp, gc, loss_pos), batch.targets)
         if path.dual_loss:
-            loss = loss + task.loss(model(batch.inputs, 0.0, 0.0, positions=loss_pos), batch.targets)
+            loss = loss + task.loss(model_forward(model, batch.inputs, 0.0, 0.0, loss_pos), batch.targets)
         opt.zero_grad(set_to_none=False)
         loss.backward()
         if cfg.grad_clip is not None:

@@ -1,0 +1,83 @@
+"""The hand-fused, run-stacked forward (fastpath.py) against the readable model (model.py): same
+logits and same gradients, to 1e-5, on random weights, for several runs stacked at once.
+
+Computed in float64 so that 1e-5 tests the algebra, not float32 rounding (the re-associations
+change the order of sums; in float32 the two agree to ~1e-5 relative)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import stack_module_state
+
+from softprior.config import make_run_config
+from softprior.fastpath import fast_forward, model_forward, supports
+from softprior.tasks import make_task
+from softprior.train import build_model
+
+CASES = [("assoc_recall", "shared", 2), ("assoc_recall", "head", 1), ("markov", "head", 3),
+         ("linear_icl", "layer", 2)]
+
+
+def _random_models(task, granularity, n_layers, n_runs=3):
+    cfgs = [make_run_config(task, "unforced", s, model_options=dict(gate_granularity=granularity, n_layers=n_layers))
+            for s in range(n_runs)]
+    models = [build_model(c).double() for c in cfgs]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # non-trivial everywhere: LayerNorm affine, prior tables, content factors, gates
+        for m in models:
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return cfgs, models
+
+
+@pytest.mark.parametrize("task,granularity,n_layers", CASES)
+def test_fast_forward_matches_the_readable_model_in_logits_and_gradients(task, granularity, n_layers):
+    cfgs, models = _random_models(task, granularity, n_layers)
+    t = make_task(cfgs[0].task)
+    T = cfgs[0].model.n_ctx
+    batch = t.sample(8, T, torch.Generator().manual_seed(1))
+    inputs = batch.inputs.double() if batch.inputs.is_floating_point() else batch.inputs
+    pos = t.loss_positions(T)
+    params, _ = stack_module_state(models)
+    params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    # learned gates: the gate values carry gradient back to the gate logits in both computations
+    g_all = torch.sigmoid(params["gate_logits"])
+    L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
+    gp, gc = g_all[:, 0].expand(3, L, H), g_all[:, 1].expand(3, L, H)
+    fast = fast_forward(params, cfgs[0].model, inputs, gp, gc, pos)
+    ref = torch.stack([m(inputs, positions=pos) for m in models])
+    assert fast.shape == ref.shape
+    assert torch.allclose(fast, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2), dtype=ref.dtype)
+    (fast * w).sum().backward()
+    (ref * w).sum().backward()
+    for name, p in params.items():
+        want = torch.stack([dict(m.named_parameters())[name].grad for m in models])
+        assert torch.allclose(p.grad, want, rtol=1e-5, atol=1e-5), name
+
+
+def test_model_forward_uses_the_readable_model_for_schemes_and_hooks():
+    cfg = make_run_config("assoc_recall", baseline="rope")
+    assert not supports(cfg.model)
+    assert supports(make_run_config("assoc_recall").model)
+    m = build_model(make_run_config("assoc_recall"))
+    tokens = torch.randint(0, m.cfg.vocab, (4, 32))
+    pos = torch.tensor([31])
+    seen = []
+    with m.hooks([("blocks.0.attn.hook_pattern", lambda x, name: seen.append(name))]):
+        out = model_forward(m, tokens, 0.3, None, pos)
+    assert seen == ["blocks.0.attn.hook_pattern"]  # the hook fired: the readable model ran
+    assert torch.allclose(out, model_forward(m, tokens, 0.3, None, pos), atol=1e-5)
+
+
+def test_fast_forward_with_a_forced_gate_differs_from_zero_gate():
+    """A check that the gates reach the computation at all (a fast path that ignored them would pass
+    a test run only at the model's own gates if those happened to be irrelevant)."""
+    cfgs, models = _random_models("assoc_recall", "shared", 2, n_runs=1)
+    m = models[0]
+    tokens = torch.randint(0, m.cfg.vocab, (4, 32))
+    pos = torch.tensor([31])
+    for gates in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0)]:
+        assert torch.allclose(model_forward(m, tokens, *gates, pos), m(tokens, *gates, positions=pos), atol=1e-8)
+    assert not torch.allclose(model_forward(m, tokens, 1.0, 0.0, pos), model_forward(m, tokens, 0.0, 0.0, pos))
