@@ -211,3 +211,12 @@ def test_missing_positional_run_id_is_a_usage_error(capsys):
         main(["eval"])
     assert ei.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_bench_json_reports_the_issue_figures(capsys):
+    """A smoke run of the benchmark (figures are printed, never asserted on beyond being positive)."""
+    assert main(["bench", "--quick", "--json", "--group", "2"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("gemm_gflops", "single_ms_per_step", "group_ms_per_run_step", "reference_ms_per_step", "mfu"):
+        assert res[key] > 0, key
+    assert res["speedup_single"] == pytest.approx(res["reference_ms_per_step"] / res["single_ms_per_step"], rel=1e-2)
