@@ -1,10 +1,14 @@
 """Train K independent runs at once in one process (for sweeps).
 
 The parameters of K models built by ``train.build_model`` (each from its own seed) are stacked on a
-leading run dimension (``torch.func.stack_module_state``) and the *same* readable model is applied to
-each run with ``torch.func.vmap(functional_call(...))``: every matmul becomes one batched matmul over
-the K runs, so the per-op overhead that dominates a tiny model is paid once per step, not K times.
-On a GPU the same code path trains a whole sweep in a few kernels per op.
+leading run dimension (``torch.func.stack_module_state``). The soft-prior model without a static
+positional scheme (every path, and the NoPE/soft_* baselines) then runs through
+``fastpath.fast_forward``, which is written for a run dimension (batched matmuls over the K runs,
+LayerNorm folded into the weights, queries only at the loss positions); a test holds it equal to the
+readable model in logits and gradients. The static schemes apply the readable model itself with
+``torch.func.vmap(functional_call(...))``. Either way every op runs once per step for all K runs, so
+the per-op overhead that dominates a tiny model is paid once, not K times. On a GPU the same code
+path trains a whole sweep in a few kernels per op.
 
 What stays per run, exactly as in ``train.train``:
 - data: each run draws its batch from its own seeded generator;

@@ -205,6 +205,7 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path) -> bo
                ncol=4, fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    fig.subplots_adjust(wspace=0.45)  # room for each panel's right-hand gate axis
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return True
