@@ -1,8 +1,10 @@
 """Step-time scaling of the training engine: batch size, context length, width, and K (runs per group).
 
-    python benchmarks/scaling.py > docs/scaling_table.md
+    python benchmarks/scaling.py [THREADS] > table.md
 
-Prints a markdown table (ms per training step, or per run-step for groups). A benchmark, not a test.
+Prints a markdown table (ms per training step, or per run-step for groups) at THREADS torch threads
+(default 1: the engine's fastest on a small machine, and what each sweep worker uses).
+A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def _ms(step, n=20, reps=2):
 
 
 def main():
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
     rows = []
     for model, B, T in [("base", 16, 32), ("base", 32, 32), ("base", 64, 32), ("base", 128, 32),
                         ("base", 64, 64), ("base", 64, 120), ("large", 64, 32)]:

@@ -220,3 +220,9 @@ def test_bench_json_reports_the_issue_figures(capsys):
     for key in ("gemm_gflops", "single_ms_per_step", "group_ms_per_run_step", "reference_ms_per_step", "mfu"):
         assert res[key] > 0, key
     assert res["speedup_single"] == pytest.approx(res["reference_ms_per_step"] / res["single_ms_per_step"], rel=1e-2)
+
+
+def test_reproduce_rejects_an_unusable_device(tmp_path, capsys):
+    assert main(["reproduce", "removability", "--quick", "--store", str(tmp_path / "s"), "--device", "cuda:7",
+                 "--group", "2", "--no-progress"]) != 0
+    assert "--device 'cuda:7'" in capsys.readouterr().err

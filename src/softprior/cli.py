@@ -165,6 +165,14 @@ def _experiment(args):
 def cmd_reproduce(args) -> int:
     from .executors import execute
     exp, cells = _experiment(args)
+    if args.device:
+        import os
+        import torch
+        try:
+            torch.empty(0, device=args.device)
+        except (RuntimeError, AssertionError) as e:
+            raise CliError(f"--device {args.device!r} is not usable here: {e}") from None
+        os.environ["SOFTPRIOR_DEVICE"] = args.device  # read by engine.train_group in every worker
     store = _store(args)
     print(f"{exp.name}: {exp.description}\n{len(cells)} runs, store {args.store}, executor {args.executor}"
           f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {args.group}", file=sys.stderr)
@@ -270,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray)")
             r.add_argument("--group", type=int, default=1, help="runs trained together in one process (vmap)")
             r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
+            r.add_argument("--device", default=None, help="where grouped runs (--group > 1) train, e.g. cuda "
+                           "(default: $SOFTPRIOR_DEVICE or cpu)")
             r.add_argument("--no-progress", action="store_true")
         r.set_defaults(fn=fn)
     x = sub.add_parser("experiments", help="list experiments")

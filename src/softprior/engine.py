@@ -27,6 +27,7 @@ batch size, step budget, learning rate, weight decay, eval interval and validati
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -51,13 +52,19 @@ def group_key(cfg: RunConfig) -> str:
     return json.dumps(d, sort_keys=True)
 
 
-def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, progress: bool = False) -> list[RunResult]:
+def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, progress: bool = False,
+                device: str | torch.device | None = None) -> list[RunResult]:
+    """Train ``cfgs`` together. ``device``: where the stacked parameters and batches live (default
+    ``$SOFTPRIOR_DEVICE`` or ``cpu``; e.g. ``cuda``). Data is drawn on the CPU from each run's own
+    generator and copied over, so a run's numbers depend only on its config, not on the device's RNG.
+    Results (weights, metrics) come back on the CPU."""
     if not cfgs:
         return []
     keys = {group_key(c) for c in cfgs}
     if len(keys) != 1:
         raise ValueError("train_group needs configs that differ only in path, seed and grad_clip")
     t0 = time.perf_counter()
+    dev = torch.device(device or os.environ.get("SOFTPRIOR_DEVICE") or "cpu")
     K, c0 = len(cfgs), cfgs[0]
     task = make_task(c0.task)
     T, steps, L, H = c0.model.n_ctx, c0.total_steps, c0.model.n_layers, c0.model.n_heads
@@ -66,21 +73,22 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
         for m, s in zip(models, init_states):
             if s is not None:
                 m.load_state_dict(s)
-    base = models[0]
+    base = models[0].to(dev)
     params, _ = stack_module_state(models)
-    params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    params = {k: v.detach().to(dev).requires_grad_(True) for k, v in params.items()}
     names = list(params)
     opt = torch.optim.AdamW([{"params": [params[n] for n in names if is_decayed(n)], "weight_decay": c0.weight_decay},
                              {"params": [params[n] for n in names if not is_decayed(n)], "weight_decay": 0.0}],
                             lr=c0.lr, fused=True)
-    clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs])
+    clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs], device=dev)
     data_gens = [seeded_generator(c.seed, 0) for c in cfgs]
     drop_gens = [seeded_generator(c.seed, 1) for c in cfgs]
     val = task.sample(c0.n_val, T, torch.Generator().manual_seed(c0.val_seed))
+    val_inputs, val_targets = val.inputs.to(dev), val.targets.to(dev)
     loss_pos = task.loss_positions(T)
-    learned_pos = torch.tensor([c.path.pos.mode == "learned" for c in cfgs])
-    learned_con = torch.tensor([c.path.content.mode == "learned" for c in cfgs])
-    dual = torch.tensor([float(c.path.dual_loss) for c in cfgs])
+    learned_pos = torch.tensor([c.path.pos.mode == "learned" for c in cfgs], device=dev)
+    learned_con = torch.tensor([c.path.content.mode == "learned" for c in cfgs], device=dev)
+    dual = torch.tensor([float(c.path.dual_loss) for c in cfgs], device=dev)
 
     if fastpath.supports(c0.model):  # hand-fused and run-stacked already (fastpath.py)
         def batched(p, inputs, gp, gc):
@@ -107,26 +115,26 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
         return g[:, 0].expand(K, L, H), g[:, 1].expand(K, L, H)
 
     metrics: list[list[dict]] = [[] for _ in cfgs]
-    loss_sum = torch.zeros(K)
+    loss_sum = torch.zeros(K, device=dev)
     n_in_window = 0
     bar = None
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=steps, desc=f"group of {K}", unit="step", leave=False)
-    zeros = torch.zeros(K, L, H)
+    zeros = torch.zeros(K, L, H, device=dev)
     for step in range(steps):
-        fp = torch.tensor([c.path.pos.value_at(step, steps) or 0.0 for c in cfgs])
-        fc = torch.tensor([c.path.content.value_at(step, steps) or 0.0 for c in cfgs])
+        fp = torch.tensor([c.path.pos.value_at(step, steps) or 0.0 for c in cfgs]).to(dev)
+        fc = torch.tensor([c.path.content.value_at(step, steps) or 0.0 for c in cfgs]).to(dev)
         drop = torch.tensor([c.path.prior_dropout > 0 and float(torch.rand((), generator=g)) < c.path.prior_dropout
-                             for c, g in zip(cfgs, drop_gens)])
+                             for c, g in zip(cfgs, drop_gens)]).to(dev)
         mp, mc = model_gates()
         gp = torch.where(learned_pos[:, None, None], mp, fp[:, None, None].expand(K, L, H))
         gc = torch.where(learned_con[:, None, None], mc, fc[:, None, None].expand(K, L, H))
         gp = torch.where(drop[:, None, None], zeros, gp)
         gc = torch.where(drop[:, None, None], zeros, gc)
         batches = [task.sample(c0.batch_size, T, g) for g in data_gens]
-        inputs = torch.stack([b.inputs for b in batches])
-        targets = torch.stack([b.targets for b in batches])
+        inputs = torch.stack([b.inputs for b in batches]).to(dev)
+        targets = torch.stack([b.targets for b in batches]).to(dev)
         loss_k = per_run_loss(batched(params, inputs, gp, gc), targets)
         if bool(dual.any()):
             loss_k = loss_k + dual * per_run_loss(batched(params, inputs, zeros, zeros), targets)
@@ -144,12 +152,12 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
             train_loss = (loss_sum / n_in_window).tolist()
             with torch.no_grad():
                 mp, mc = model_gates()
-                out_n = batched_val(params, val.inputs, mp, mc)
-                out_z = batched_val(params, val.inputs, zeros, zeros)
-                res = {"normal_" + task.metric: per_run_score(out_n, val.targets).tolist(),
-                       "zero_" + task.metric: per_run_score(out_z, val.targets).tolist(),
-                       "normal_loss": per_run_val_loss(out_n, val.targets).tolist(),
-                       "zero_loss": per_run_val_loss(out_z, val.targets).tolist()}
+                out_n = batched_val(params, val_inputs, mp, mc)
+                out_z = batched_val(params, val_inputs, zeros, zeros)
+                res = {"normal_" + task.metric: per_run_score(out_n, val_targets).tolist(),
+                       "zero_" + task.metric: per_run_score(out_z, val_targets).tolist(),
+                       "normal_loss": per_run_val_loss(out_n, val_targets).tolist(),
+                       "zero_loss": per_run_val_loss(out_z, val_targets).tolist()}
                 g_all = torch.sigmoid(params["gate_logits"]).reshape(K, 2, -1).mean(-1)
             for k, c in enumerate(cfgs):
                 if not math.isfinite(train_loss[k]):
@@ -161,7 +169,7 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
                        **{key: v[k] for key, v in res.items()},
                        "model_g_pos": float(g_all[k, 0]), "model_g_content": float(g_all[k, 1])}
                 metrics[k].append(row)
-            loss_sum = torch.zeros(K)
+            loss_sum = torch.zeros(K, device=dev)
             n_in_window = 0
         if bar is not None:
             bar.update(1)
@@ -173,6 +181,6 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     n_params = base.n_params()
     for k, c in enumerate(cfgs):
         summary = run_summary(c, task, metrics[k][-1], steps, seconds, n_params, group_size=K)
-        state = {n: params[n][k].detach().clone() for n in names}
+        state = {n: params[n][k].detach().to("cpu", copy=True) for n in names}
         results.append(RunResult(c, summary, metrics[k], state))
     return results

@@ -65,24 +65,24 @@ def model_forward(model, inputs: torch.Tensor, gate_pos=None, gate_content=None,
     return fast_forward(stacked_params(model), model.cfg, inputs, gp[None], gc[None], positions)[0]
 
 
-@lru_cache(maxsize=64)
-def _perms(d: int, H: int, dh: int, r: int):
-    """Row orders of in_proj (stored as Q | K | V | U | W): per head [Q_h, U_h] then [K_h, W_h], then V."""
-    qu, kw = [], []
-    for h in range(H):
-        qu += list(range(h * dh, (h + 1) * dh)) + list(range(3 * d + h * r, 3 * d + (h + 1) * r))
-        kw += list(range(d + h * dh, d + (h + 1) * dh)) + list(range(3 * d + H * r + h * r, 3 * d + H * r + (h + 1) * r))
-    v = list(range(2 * d, 3 * d))
-    return torch.tensor(qu), torch.tensor(kw), torch.tensor(v)
+def _head_rows(W: torch.Tensor, d: int, H: int, dh: int, r: int):
+    """in_proj rows (stored Q | K | V | U | W) regrouped per head: [Q_h, U_h] and [K_h, W_h] blocks
+    ([K, H*(dh+r), d] each), and V ([K, d, d]). Slices and one concatenation each: their backward
+    is a copy into slices, not an indexed scatter."""
+    K = W.shape[0]
+
+    def pair(a, c):
+        return torch.cat([W[:, a:a + d].view(K, H, dh, d), W[:, c:c + H * r].view(K, H, r, d)], 2).view(K, -1, d)
+    return pair(0, 3 * d), pair(d, 3 * d + H * r), W[:, 2 * d:3 * d]
 
 
 @lru_cache(maxsize=64)
-def _geometry(T: int, n_ctx: int, positions: tuple[int, ...] | None):
+def _geometry(T: int, n_ctx: int, positions: tuple[int, ...] | None, device: torch.device):
     """Clipped relative offsets and the causal mask (0 / -inf) for all queries and for ``positions``."""
-    kpos = torch.arange(T)
-    qpos = kpos if positions is None else torch.tensor(positions)
+    kpos = torch.arange(T, device=device)
+    qpos = kpos if positions is None else torch.tensor(positions, device=device)
     off = (qpos[:, None] - kpos[None, :]).clamp(0, n_ctx - 1)
-    mask = torch.zeros(len(qpos), T).masked_fill_(qpos[:, None] < kpos[None, :], float("-inf"))
+    mask = torch.zeros(len(qpos), T, device=device).masked_fill_(qpos[:, None] < kpos[None, :], float("-inf"))
     return off, mask
 
 
@@ -90,7 +90,7 @@ def _row_scale(qu_len_per_head: int, dh: int, g_content: torch.Tensor) -> torch.
     """[K, H * (dh + r)]: 1/sqrt(dh) on the Q rows, the head's content gate on its U rows."""
     K, H = g_content.shape
     r = qu_len_per_head - dh
-    q = torch.full((K, H, dh), 1.0 / math.sqrt(dh), dtype=g_content.dtype)
+    q = torch.full((K, H, dh), 1.0 / math.sqrt(dh), dtype=g_content.dtype, device=g_content.device)
     u = g_content[:, :, None].expand(K, H, r)
     return torch.cat([q, u], dim=-1).reshape(K, H * qu_len_per_head)
 
@@ -189,14 +189,13 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     B, T = inputs.shape[1], inputs.shape[2]
     pos = tuple(int(p) for p in positions.tolist())
     P = len(pos)
-    qu_i, kw_i, v_i = _perms(d, H, dh, r)
-    off_all, mask_all = _geometry(T, cfg.n_ctx, None)
-    off_q, mask_q = _geometry(T, cfg.n_ctx, pos)
+    off_all, mask_all = _geometry(T, cfg.n_ctx, None, inputs.device)
+    off_q, mask_q = _geometry(T, cfg.n_ctx, pos, inputs.device)
 
     if tokens:
         E = params["embed.weight"]  # [K, V, d]
         V = E.shape[1]
-        idx = inputs + (torch.arange(K) * V).view(K, 1, 1)
+        idx = inputs + (torch.arange(K, device=inputs.device) * V).view(K, 1, 1)
         x = _gather(E.reshape(K * V, d), idx)  # [K, B, T, d]
     else:
         x = torch.baddbmm(params["read_in.bias"].unsqueeze(1), inputs.reshape(K, B * T, -1),
@@ -210,13 +209,14 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
         W_out = params[pre + "attn.out_proj.weight"]  # [K, d, d]
         table = params[pre + "attn.pos_bias"]  # [K, H, n_ctx]
         gp, gc = g_pos[:, l], g_content[:, l]  # [K, H]
-        W_qu = W[:, qu_i] * _row_scale(e, dh, gc)[:, :, None]  # [K, H*e, d]
+        W_qu, W_kw, W_v = _head_rows(W, d, H, dh, r)
+        W_qu = W_qu * _row_scale(e, dh, gc)[:, :, None]  # [K, H*e, d]
         if l < L - 1:
             if l == 0 and tokens:
                 # layer 0 sees token embeddings only: project the V vocabulary rows once and gather
                 # the per-head rows by token (point 5), straight into the [K, H, B, T, .] layout
                 nE = _layer_norm(E)  # [K, V, d]
-                hidx = inputs.unsqueeze(1) + (torch.arange(K * H) * V).view(K, H, 1, 1)  # [K, H, B, T]
+                hidx = inputs.unsqueeze(1) + (torch.arange(K * H, device=inputs.device) * V).view(K, H, 1, 1)  # [K, H, B, T]
 
                 def heads(Wr, width):
                     tab = _proj(nE, Wr, ln_w, ln_b).view(K, V, H, width).transpose(1, 2)  # [K, H, V, w]
@@ -227,7 +227,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
                 def heads(Wr, width):  # three projections of one n: slicing a fused output costs more
                     y = _proj(n, Wr, ln_w, ln_b).view(K, B, T, H, width)
                     return y.permute(0, 3, 1, 2, 4).reshape(K * H * B, T, width)
-            qe, ke, v = heads(W_qu, e), heads(W[:, kw_i], e), heads(W[:, v_i], dh)
+            qe, ke, v = heads(W_qu, e), heads(W_kw, e), heads(W_v, dh)
             z = _Attention.apply(qe, ke, v, _pos_bias(table, gp, off_all, mask_all))  # [K*H*B, T, dh]
             z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
             x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 4)
@@ -235,7 +235,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             # queries at the loss positions only; keys and values re-associated onto n (point 3)
             n4 = _layer_norm(x).view(K, B, T, d)
             q = _proj(_take(n4, pos).reshape(K, B * P, d), W_qu, ln_w, ln_b)  # [K, B*P, H*e]
-            W_kw = (W[:, kw_i] * ln_w[:, None, :]).view(K, H, e, d)
+            W_kw = (W_kw * ln_w[:, None, :]).view(K, H, e, d)
             q = q.view(K, B * P, H, e).transpose(1, 2).reshape(K * H, B * P, e)
             qt = torch.bmm(q, W_kw.reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
             qt = qt.view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
@@ -243,10 +243,10 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             s = s + _pos_bias(table, gp, off_q, mask_q).unsqueeze(1)
             nbar = torch.bmm(s.softmax(-1).view(K * B, H * P, T), n4.reshape(K * B, T, d))  # [K*B, H*P, d]
             nbar = nbar.view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
-            W_v = (W[:, v_i] * ln_w[:, None, :]).view(K, H, dh, d)
+            W_vn = (W_v * ln_w[:, None, :]).view(K, H, dh, d)
             W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
-            M = torch.matmul(W_o, W_v)  # [K, H, d, d] = W_O,h W_V,h
-            c = W_out @ (W[:, v_i] @ ln_b[:, :, None])  # [K, d, 1] = W_O W_V b
+            M = torch.matmul(W_o, W_vn)  # [K, H, d, d] = W_O,h W_V,h
+            c = W_out @ (W_v @ ln_b[:, :, None])  # [K, d, 1] = W_O W_V b
             xq = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
             x = torch.baddbmm(xq + c.transpose(1, 2), nbar, M.permute(0, 1, 3, 2).reshape(K, H * d, d))
     n = _layer_norm(x)  # [K, B*P, d]
