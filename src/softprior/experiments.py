@@ -261,3 +261,14 @@ def _late_mechanism_cells(o: Options) -> list[Cell]:
 register_experiment(Experiment(
     "mechanism_trace_late", "not in the paper: the mechanism trace of fade2400->0 runs (the fade starts after "
     "the unforced circuit has formed)", _late_mechanism_cells, analysis=_mechanism_analysis))
+
+
+def _large_mechanism_cells(o: Options) -> list[Cell]:
+    every = 50 if o.quick else 300
+    return [Cell(c.cfg.model_copy(update={"snapshot_every": every}), c.row, c.col, c.evals)
+            for c in _path_cells(o, ["fade600"], models=("large",))]
+
+
+register_experiment(Experiment(
+    "mechanism_trace_large", "the mechanism trace of fade600->0 on the large model, where (unlike the base model) "
+    "the circuit can form before the fade", _large_mechanism_cells, analysis=_mechanism_analysis))
