@@ -81,3 +81,13 @@ def test_fast_forward_with_a_forced_gate_differs_from_zero_gate():
     for gates in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0)]:
         assert torch.allclose(model_forward(m, tokens, *gates, pos), m(tokens, *gates, positions=pos), atol=1e-8)
     assert not torch.allclose(model_forward(m, tokens, 1.0, 0.0, pos), model_forward(m, tokens, 0.0, 0.0, pos))
+
+
+def test_fast_forward_beyond_the_training_length_matches_the_readable_model():
+    """Length generalisation evaluates at T > n_ctx: both paths clip the relative offsets the same way."""
+    cfgs, models = _random_models("assoc_recall", "shared", 2, n_runs=1)
+    m = models[0]
+    tokens = torch.randint(0, m.cfg.vocab, (4, 3 * m.cfg.n_ctx), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([tokens.shape[1] - 1])
+    assert torch.allclose(model_forward(m, tokens, 0.7, 0.4, pos), m(tokens, 0.7, 0.4, positions=pos),
+                          rtol=1e-5, atol=1e-5)
