@@ -3,28 +3,30 @@ batched over a leading run dimension K (K = 1 for a single run).
 
 ``model.SoftPriorTransformer`` stays the one definition of the model; this module computes the
 same logits from the same parameters (a test holds logits and gradients equal to 1e-5 on random
-weights, ``tests/test_fastpath.py``) with fewer, larger kernels. Autograd does the backward.
+weights, ``tests/test_fastpath.py``) with fewer, larger kernels. Autograd does the backward, except
+for two small ``autograd.Function``s with hand-written backwards (``_Gather``, ``_Attention``).
 
 What it does differently (each an exact algebraic identity, so only rounding differs):
 
 1. **LayerNorm weight and bias folded into the next projection.** With n = (x - mean) / std,
    ``LN(x) W^T = n (W diag(w))^T + W b``: the [B, T, d] affine multiply and its backward become an
    op on a 208 x 64 weight.
-2. **One projection per layer, rows permuted per head**: the in_proj rows are reordered so that the
-   output holds, per head, ``[Q_h / sqrt(d_head), g_content,h U_h]`` and ``[K_h, W_h]`` side by
-   side. The paper's logits ``Q K^T / sqrt(d_head) + g_c (xU)(xV)^T`` are then one batched matmul
-   of the two blocks, without a concatenation; the scale and the content gate ride on the weight.
-3. **The last layer, re-associated at the loss positions.** Only the positions that carry loss
+2. **in_proj rows regrouped per head** (``_head_rows``): per head ``[Q_h / sqrt(d_head), g_content,h U_h]``
+   and ``[K_h, W_h]`` side by side, so the paper's logits ``Q K^T / sqrt(d_head) + g_c (xU)(xW)^T``
+   are one batched matmul of the two blocks, without a concatenation of activations; the scale and
+   the content gate ride on the weight. Query, key and value blocks are three projections of the
+   same normalised input (slicing one fused output measured slower in the backward).
+3. **Layer 0 of a token model works on the vocabulary.** Its input is the token embedding, so
+   ``LN(E[tok]) W^T = (LN(E) W^T)[tok]``: the per-head query, key and value rows are projected for
+   the V vocabulary entries once and gathered by token, straight into the head-major layout the
+   batched attention matmuls want (no [B*T, d] x [d, 3d] projection, no head-split copies).
+4. **The last layer, re-associated at the loss positions.** Only the positions that carry loss
    need outputs, so instead of projecting keys and values at every position,
    ``q_i . (W_K n_j + W_K b) = (W_K^T q_i) . n_j + const_i`` (the constant cancels in the softmax) and
    ``sum_j P_ij (W_V n_j + W_V b) = W_V (sum_j P_ij n_j) + W_V b`` (rows of P sum to 1); the output
    projection is folded in as ``M_h = W_O,h W_V,h`` (d x d per head). The last layer's cost then
    scales with the number of loss positions, not the context length.
-5. **Layer 0 of a token model works on the vocabulary.** Its input is the token embedding, so
-   ``LN(E[tok]) W^T = (LN(E) W^T)[tok]``: the per-head query, key and value rows are projected for
-   the V vocabulary entries once and gathered by token, straight into the head-major layout the
-   batched attention matmuls want (no [B*T, d] x [d, 3d] projection, no head-split copies).
-4. **The residual add fused into the output projection** (``baddbmm``), the position bias gathered
+5. **The residual add fused into the output projection** (``baddbmm``), the position bias gathered
    once per step as [K, H, T, T] with the causal mask added in, no [B, H, T, T] bias tensor.
 
 Supported: the soft-prior model with no static positional scheme (``positional == "none"``; the
@@ -214,7 +216,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
         if l < L - 1:
             if l == 0 and tokens:
                 # layer 0 sees token embeddings only: project the V vocabulary rows once and gather
-                # the per-head rows by token (point 5), straight into the [K, H, B, T, .] layout
+                # the per-head rows by token (point 3), straight into the [K, H, B, T, .] layout
                 nE = _layer_norm(E)  # [K, V, d]
                 hidx = inputs.unsqueeze(1) + (torch.arange(K * H, device=inputs.device) * V).view(K, H, 1, 1)  # [K, H, B, T]
 
@@ -230,9 +232,9 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             qe, ke, v = heads(W_qu, e), heads(W_kw, e), heads(W_v, dh)
             z = _Attention.apply(qe, ke, v, _pos_bias(table, gp, off_all, mask_all))  # [K*H*B, T, dh]
             z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
-            x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 4)
+            x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 5)
         else:
-            # queries at the loss positions only; keys and values re-associated onto n (point 3)
+            # queries at the loss positions only; keys and values re-associated onto n (point 4)
             n4 = _layer_norm(x).view(K, B, T, d)
             q = _proj(_take(n4, pos).reshape(K, B * P, d), W_qu, ln_w, ln_b)  # [K, B*P, H*e]
             W_kw = (W_kw * ln_w[:, None, :]).view(K, H, e, d)
