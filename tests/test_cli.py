@@ -215,11 +215,14 @@ def test_missing_positional_run_id_is_a_usage_error(capsys):
 
 def test_bench_json_reports_the_issue_figures(capsys):
     """A smoke run of the benchmark (figures are printed, never asserted on beyond being positive)."""
-    assert main(["bench", "--quick", "--json", "--group", "2"]) == 0
+    assert main(["bench", "--quick", "--json", "--group", "2", "--sweep", "2", "--sweep-steps", "20"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("gemm_gflops", "single_ms_per_step", "group_ms_per_run_step", "reference_ms_per_step", "mfu"):
         assert res[key] > 0, key
     assert res["speedup_single"] == pytest.approx(res["reference_ms_per_step"] / res["single_ms_per_step"], rel=1e-2)
+    assert res["sweep_runs"] == 2 and res["sweep_reference_seconds"] == pytest.approx(
+        2 * 20 * res["reference_ms_per_step"] / 1e3, rel=1e-2)
+    assert res["sweep_ratio"] == pytest.approx(res["sweep_seconds"] / res["sweep_reference_seconds"], rel=1e-2)
 
 
 def test_reproduce_rejects_an_unusable_device(tmp_path, capsys):

@@ -94,6 +94,37 @@ def _alternate(ours, ref, n: int, reps: int, thread_counts) -> dict:
     return out
 
 
+def sweep_bench(n_runs: int, reference_ms: float, steps: int = 3600, workers: int | None = None,
+                log=print) -> dict:
+    """Wall time of a sweep of ``n_runs`` base runs (associative recall, alternately unforced and
+    fade600, seeds 0..n-1) through the same driver as ``softprior reproduce`` (``executors.execute``,
+    ``workers`` processes, groups of ceil(n / workers)), into a throw-away store; against ``n_runs``
+    sequential reference runs at ``reference_ms`` per step."""
+    import math
+    import os
+    import tempfile
+    from .config import make_run_config
+    from .executors import execute
+    from .store import RunStore
+    workers = workers or os.cpu_count() or 1
+    group = math.ceil(n_runs / workers)
+    cfgs = [make_run_config("assoc_recall", "fade600" if k % 2 else "unforced", k, steps=steps)
+            for k in range(n_runs)]
+    with tempfile.TemporaryDirectory(prefix="softprior-bench-") as d:
+        t = time.perf_counter()
+        rep = execute(cfgs, RunStore(d), workers=workers, group_size=group, progress=False)
+        wall = time.perf_counter() - t
+    if not rep.ok:
+        raise RuntimeError(f"bench sweep failed: {rep.line()}")
+    ref_s = n_runs * steps * reference_ms / 1e3
+    log(f"sweep of {n_runs} base runs x {steps} steps ({workers} workers, groups of {group}): {wall:.1f} s wall;  "
+        f"{n_runs} sequential reference runs: {ref_s:.1f} s ({n_runs} x {steps} x {reference_ms:.2f} ms);  "
+        f"ratio {wall / ref_s:.3f}")
+    return {"sweep_runs": n_runs, "sweep_steps": steps, "sweep_workers": workers, "sweep_group": group,
+            "sweep_seconds": round(wall, 2), "sweep_reference_seconds": round(ref_s, 2),
+            "sweep_ratio": round(wall / ref_s, 4)}
+
+
 def run_bench(quick: bool = False, group_size: int = 8, log=print) -> dict:
     """Each implementation is timed at 1 thread and at the machine's thread count and reported at its
     faster one (the thread count tuned to the machine); the per-count figures are in the JSON."""

@@ -203,7 +203,11 @@ def cmd_baselines(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import run_bench
-    res = run_bench(quick=args.quick, group_size=args.group, log=(lambda *_: None) if args.json else print)
+    log = (lambda *_: None) if args.json else print
+    res = run_bench(quick=args.quick, group_size=args.group, log=log)
+    if args.sweep:
+        from .bench import sweep_bench
+        res.update(sweep_bench(args.sweep, res["reference_ms_per_step"], steps=args.sweep_steps, log=log))
     if args.json:
         print(json.dumps(res, sort_keys=True))
     return 0
@@ -290,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.add_argument("--quick", action="store_true", help="fewer repetitions")
     b.add_argument("--group", type=int, default=8, help="K, the number of runs trained together")
+    b.add_argument("--sweep", type=int, default=0, metavar="N",
+                   help="also time a sweep of N base runs through the sweep driver (all cores), vs N reference runs")
+    b.add_argument("--sweep-steps", type=int, default=3600, help="steps per run in --sweep")
     b.set_defaults(fn=cmd_bench)
     ex = sub.add_parser("export", help="export a stored run to another library's format")
     ex.add_argument("run_id")
