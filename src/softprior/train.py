@@ -30,6 +30,7 @@ import torch
 from .config import RunConfig
 from .fastpath import model_forward
 from .model import SoftPriorTransformer
+from .optim import AdamW
 from .runtime import tune_allocator
 from .tasks import Task, make_task
 
@@ -76,8 +77,8 @@ def _param_groups(model: torch.nn.Module, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model, cfg: RunConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, fused=True)
+def make_optimizer(model, cfg: RunConfig) -> AdamW:
+    return AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
 
 
 @torch.no_grad()
