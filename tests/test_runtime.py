@@ -1,4 +1,5 @@
-"""runtime.tune_allocator: freed memory stays in the process, so steps stop faulting pages in."""
+"""runtime: the tuned allocator keeps freed memory in the process (steps stop faulting pages in);
+flush_denormals reaches every OpenMP thread and leaves a run's numbers unchanged."""
 
 import os
 import subprocess
@@ -44,3 +45,67 @@ def test_tuned_allocator_removes_page_faults_per_step():
     off_applied, untuned = _faults_per_step("0")
     assert not off_applied  # the switch turns it off
     assert tuned < untuned / 10, (tuned, untuned)
+
+
+_DENORMALS = r"""
+import sys, torch
+torch.set_num_threads(2)
+x = torch.full((1 << 22,), 1e-20)
+(x * 2).sum()  # start the OpenMP pool first, so its threads cannot inherit the setting
+def survivors():
+    return int(((x * 1e-20) != 0).sum())  # 1e-40 is denormal: 0 where flushed
+if not torch.set_flush_denormal(True):
+    print("unsupported"); sys.exit()
+main_only = survivors()
+from softprior.runtime import flush_denormals
+print(main_only, flush_denormals(), survivors())
+"""
+
+
+def _denormal_probe(flag: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["SOFTPRIOR_FLUSH_DENORMALS"] = flag
+    out = subprocess.run([sys.executable, "-c", _DENORMALS], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_flush_denormals_reaches_every_openmp_thread():
+    res = _denormal_probe("1")
+    if res == ["unsupported"]:
+        pytest.skip("no flush-to-zero on this CPU")
+    main_only, applied, after = int(res[0]), res[1], int(res[2])
+    # torch.set_flush_denormal alone sets the calling thread only: the worker's half of the
+    # elementwise product stays denormal. (If it did not, this probe could not tell the difference.)
+    assert 0 < main_only < 1 << 22
+    assert applied == "True"
+    assert after == 0
+
+
+def test_flush_denormals_switch_off():
+    res = _denormal_probe("0")
+    if res == ["unsupported"]:
+        pytest.skip("no flush-to-zero on this CPU")
+    assert res[1] == "False" and int(res[2]) == int(res[0]) > 0
+
+
+_RUN = r"""
+import hashlib, torch
+from softprior.config import make_run_config
+from softprior.train import train
+r = train(make_run_config("assoc_recall", "unforced", 0, steps=40, eval_every=20, n_val=64))
+h = hashlib.sha256()
+for k, v in sorted(r.state_dict.items()):
+    h.update(v.numpy().tobytes())
+print(h.hexdigest(), r.summary["normal_loss"])
+"""
+
+
+def test_flushing_denormals_leaves_a_run_bit_identical():
+    """The denormals are summed with unit-sized terms, so flushing them changes no weight bit
+    (runtime docstring); stored runs from before the setting stay valid."""
+    outs = []
+    for flag in ("0", "1"):
+        env = {**os.environ, "SOFTPRIOR_FLUSH_DENORMALS": flag}
+        outs.append(subprocess.run([sys.executable, "-c", _RUN], env=env, capture_output=True, text=True,
+                                   check=True).stdout.split())
+    assert outs[0] == outs[1]

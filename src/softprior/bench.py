@@ -130,14 +130,14 @@ def run_bench(quick: bool = False, group_size: int = 8, log=print) -> dict:
     faster one (the thread count tuned to the machine); the per-count figures are in the JSON."""
     from .config import make_run_config
     from .engine import train_group
-    from .runtime import tune_allocator
+    from .runtime import prepare_training
     ref_mod = _load_reference()
-    tuned = tune_allocator()  # process-wide: the reference below runs with it too (the conservative ratio)
+    settings = prepare_training()  # process-wide: the reference below runs with them too (the conservative ratio)
     cfg = make_run_config("assoc_recall", "unforced", 0)
     max_threads = torch.get_num_threads()
     thread_counts = sorted({1, max_threads})
-    log(f"torch {torch.__version__}, timing at {thread_counts} threads; allocator tuned (softprior.runtime, both "
-        f"implementations): {tuned}")
+    log(f"torch {torch.__version__}, timing at {thread_counts} threads; runtime settings (softprior.runtime, "
+        f"applied to both implementations): {settings}")
     gemm = _gemm_gflops()
     flops = train_step_flops(cfg)
     log(f"fp32 GEMM (1024^3, {max_threads} threads): {gemm:.1f} GFLOP/s;  model: {flops / 1e9:.3f} GFLOP per "
@@ -171,7 +171,7 @@ def run_bench(quick: bool = False, group_size: int = 8, log=print) -> dict:
             "group_ms_per_run_step": round(group, 3), "group_size": group_size,
             "mfu": round(mfu, 4), "reference_mfu": round(flops / (reference / 1e3) / (gemm * 1e9), 4),
             "speedup_single": round(reference / single, 3), "speedup_group": round(reference / group, 3),
-            "threads": o_th, "reference_threads": r_th, "allocator_tuned": tuned,
+            "threads": o_th, "reference_threads": r_th, **settings,
             "by_threads": {str(th): {"single_ms": round(o, 3), "reference_ms": round(r, 3),
                                      "single_ms_samples": [round(x, 3) for x in samples[th][0]],
                                      "reference_ms_samples": [round(x, 3) for x in samples[th][1]]}

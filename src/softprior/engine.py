@@ -36,7 +36,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from . import fastpath
 from .config import RunConfig
 from .optim import AdamW
-from .runtime import tune_allocator
+from .runtime import prepare_training
 from .train import RunResult, TrainingDiverged, build_model, is_decayed, run_summary, seeded_generator
 from .tasks import make_task
 
@@ -66,7 +66,7 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     if len(keys) != 1:
         raise ValueError("train_group needs configs that differ only in path, seed and grad_clip")
     t0 = time.perf_counter()
-    tune_allocator()
+    prepare_training()
     dev = torch.device(device or os.environ.get("SOFTPRIOR_DEVICE") or "cpu")
     K, c0 = len(cfgs), cfgs[0]
     task = make_task(c0.task)

@@ -1,4 +1,6 @@
-"""Process-level settings that make training fast: the memory allocator.
+"""Process-level settings that make training fast: the memory allocator and denormal flushing.
+
+Allocator (``tune_allocator``).
 
 A training step of the base model allocates and frees a few hundred tensors, several of them
 0.1-1 MB (the layer-0 attention scores are [B*H, T, T] = 1 MB). glibc's malloc gives memory at the
@@ -11,6 +13,25 @@ cost is that the process holds on to its peak heap (a few hundred MB at most for
 This is what ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_`` would do if set before the
 process starts; ``mallopt`` applies it from inside (glibc ``mallopt(3)``). It changes no numbers,
 only where freed memory goes. Elsewhere (macOS, musl, Windows) it is a no-op.
+
+Denormals (``flush_denormals``). The soft prior's initial position bias is -(offset - h)^2, so in
+layer 0 about 2% of the softmax outputs exp(s - max) land in float32's denormal range (below
+1.18e-38), and so do their products in the backward. On x86 every arithmetic operation with a
+denormal operand or result takes a microcode assist; in one training step that made the layer-0
+attention kernels 3-10x slower than on the same shapes without denormals, ~35% of the step
+(1 thread: 10.5-11.4 -> 6.5-7.1 ms/step; docs/PERFORMANCE.md). Flush-to-zero + denormals-are-zero
+(the MXCSR FTZ/DAZ bits, what ``torch.set_flush_denormal(True)`` sets) treat those values as 0. They
+are at least 2^-126 / 2^-24 = 2^-102 below the unit-sized terms they are summed with, so no sum
+changes: a full 3,600-step base run ends with bit-identical weights and metrics with and without
+it (measured for associative recall unforced and fade600, Markov and linear ICL; PERFORMANCE.md).
+
+MXCSR is per thread. ``torch.set_flush_denormal`` sets it on the calling thread only, and OpenMP
+worker threads inherit the creating thread's value only when they are created, so a pool that
+already exists would keep the slow mode on every thread but the main one. ``flush_denormals``
+therefore runs ``torch.set_flush_denormal(True)`` on every thread of the OpenMP team
+(``GOMP_parallel``, the entry point libgomp and LLVM/Intel OpenMP export for ``#pragma omp
+parallel``). The setting is process-wide and stays on; ``SOFTPRIOR_FLUSH_DENORMALS=0`` turns it off.
+Where the CPU has no FTZ (non-x86) it is a no-op.
 """
 
 from __future__ import annotations
@@ -18,8 +39,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import threading
 
-__all__ = ["tune_allocator"]
+__all__ = ["tune_allocator", "flush_denormals", "prepare_training"]
 
 _M_TRIM_THRESHOLD = -1  # glibc malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -46,3 +68,63 @@ def tune_allocator() -> bool:
             ok = bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES)) and bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES))
     _state["applied"] = ok
     return ok
+
+
+def _openmp_library() -> str | None:
+    """Path of the OpenMP runtime loaded in this process (torch's libgomp, or libiomp / libomp)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                name = os.path.basename(path)
+                if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _on_every_openmp_thread(fn, n_threads: int) -> int:
+    """Run ``fn()`` once on each thread of an OpenMP team of ``n_threads`` started from this thread
+    (the pool torch's parallel kernels use). Returns how many distinct threads ran it (0 if no OpenMP
+    runtime could be found)."""
+    path = _openmp_library()
+    if path is None:
+        return 0
+    try:
+        gomp_parallel = ctypes.CDLL(path).GOMP_parallel
+    except (OSError, AttributeError):
+        return 0
+    seen: set[int] = set()
+    lock = threading.Lock()
+
+    def body(_):
+        fn()
+        with lock:
+            seen.add(threading.get_ident())
+
+    cb = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(body)
+    gomp_parallel.argtypes = [ctypes.CFUNCTYPE(None, ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    gomp_parallel.restype = None
+    gomp_parallel(cb, None, n_threads, 0)  # ctypes releases the GIL; each thread takes it to run body
+    return len(seen)
+
+
+def flush_denormals() -> bool:
+    """Flush float denormals to zero on this thread and on every thread of torch's OpenMP pool
+    (see the module docstring). Returns whether it applied to all ``torch.get_num_threads()``
+    threads. Cheap (one empty parallel region); safe to call before every run."""
+    if os.environ.get("SOFTPRIOR_FLUSH_DENORMALS", "1") == "0":
+        return False
+    import torch
+    if not torch.set_flush_denormal(True):  # no FTZ on this CPU
+        return False
+    n = torch.get_num_threads()
+    if n == 1:
+        return True
+    return _on_every_openmp_thread(lambda: torch.set_flush_denormal(True), n) == n
+
+
+def prepare_training() -> dict[str, bool]:
+    """Both settings, as every training entry point (``train``, ``train_group``, ``bench``) applies them."""
+    return {"allocator_tuned": tune_allocator(), "denormals_flushed": flush_denormals()}

@@ -31,7 +31,7 @@ from .config import RunConfig
 from .fastpath import model_forward
 from .model import SoftPriorTransformer
 from .optim import AdamW
-from .runtime import tune_allocator
+from .runtime import prepare_training
 from .tasks import Task, make_task
 
 __all__ = ["train", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator"]
@@ -107,7 +107,7 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
     on_checkpoint: called every ``cfg.checkpoint_every`` steps with a dict of tensors + metadata.
     """
     t0 = time.perf_counter()
-    tune_allocator()
+    prepare_training()
     task = make_task(cfg.task)
     T, steps = cfg.model.n_ctx, cfg.total_steps
     model = build_model(cfg)
