@@ -37,7 +37,9 @@ def test_runs_trained_in_a_group_match_runs_trained_alone():
         for ra, rg in zip(alone.metrics, g.metrics):
             assert ra.keys() == rg.keys()
             for k in ra:
-                assert ra[k] == pytest.approx(rg[k], abs=1e-5), (cfg.path.name, k)
+                # 1e-5 absolute, or relative for large values: a loss of ~75 has a float32 ulp of
+                # 7.6e-6, and the grouped kernels may round differently from the single-run ones
+                assert ra[k] == pytest.approx(rg[k], rel=1e-5, abs=1e-5), (cfg.path.name, k)
         for name, w in alone.state_dict.items():
             assert torch.allclose(w, g.state_dict[name], atol=1e-5), (cfg.path.name, name)
 
