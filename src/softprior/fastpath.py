@@ -8,18 +8,24 @@ for two small ``autograd.Function``s with hand-written backwards (``_Gather``, `
 
 What it does differently (each an exact algebraic identity, so only rounding differs):
 
-1. **LayerNorm weight and bias folded into the next projection.** With n = (x - mean) / std,
-   ``LN(x) W^T = n (W diag(w))^T + W b``: the [B, T, d] affine multiply and its backward become an
-   op on a 208 x 64 weight.
-2. **in_proj rows regrouped per head** (``_head_rows``): per head ``[Q_h / sqrt(d_head), g_content,h U_h]``
+1. **LayerNorm weight and bias folded into the next projection** where the normalised input has
+   many rows. With n = (x - mean) / std, ``LN(x) W^T = n (W diag(w))^T + W b``: the [B, T, d]
+   affine multiply and its backward become an op on a 208 x 64 weight. (Where only a few rows are
+   normalised, the vocabulary table and the final LayerNorm at the loss positions, the affine is
+   applied directly: fewer ops.)
+2. **in_proj rows regrouped per head**: per head ``[Q_h / sqrt(d_head), g_content,h U_h]``
    and ``[K_h, W_h]`` side by side, so the paper's logits ``Q K^T / sqrt(d_head) + g_c (xU)(xW)^T``
    are one batched matmul of the two blocks, without a concatenation of activations; the scale and
-   the content gate ride on the weight. Query, key and value blocks are three projections of the
-   same normalised input (slicing one fused output measured slower in the backward).
+   the content gate ride on the weight. Layer 0 and the last layer take all rows in one
+   ``index_select`` into the per-head order ``[Q_h, U_h, K_h, W_h, V_h]`` (``_head_columns``) with
+   one per-row scale; middle layers use slices (``_head_rows``), three projections of the same
+   normalised input (slicing one fused output measured slower in the backward).
 3. **Layer 0 of a token model works on the vocabulary.** Its input is the token embedding, so
-   ``LN(E[tok]) W^T = (LN(E) W^T)[tok]``: the per-head query, key and value rows are projected for
-   the V vocabulary entries once and gathered by token, straight into the head-major layout the
-   batched attention matmuls want (no [B*T, d] x [d, 3d] projection, no head-split copies).
+   ``LN(E[tok]) W^T = (LN(E) W^T)[tok]``: all in_proj rows are applied to the V vocabulary entries
+   in one matmul ([V, d] x [d, 208]), and the per-head query, key and value columns are gathered by
+   token, straight into the head-major layout the batched attention matmuls want (no [B*T, d] x
+   [d, 3d] projection, no head-split copies). Going through the rows once instead of three
+   projections cut ~75 ops per step: 5.0-5.35 -> 4.6-4.8 ms/step (2 threads; docs/PERFORMANCE.md).
 4. **The last layer, re-associated at the loss positions.** Only the positions that carry loss
    need outputs, so instead of projecting keys and values at every position,
    ``q_i . (W_K n_j + W_K b) = (W_K^T q_i) . n_j + const_i`` (the constant cancels in the softmax) and
@@ -151,6 +157,24 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, db
 
 
+@lru_cache(maxsize=16)
+def _head_columns(d: int, H: int, dh: int, r: int, device: torch.device):
+    """The in_proj rows (stored Q | K | V | U | W) in per-head order [Q_h, U_h, K_h, W_h, V_h]
+    (``perm``, [H * (2 dh + 2 r + dh)]), the constant part of their per-row scale (1/sqrt(dh) on
+    Q rows, 1 on K, W, V rows, 0 on U rows) and a mask of the U rows (which take the content gate)."""
+    Q, Kb, Vb, U, Wb = 0, d, 2 * d, 3 * d, 3 * d + H * r
+    rows, const, umask = [], [], []
+    for h in range(H):
+        for start, n, c, u in ((Q + h * dh, dh, 1.0 / math.sqrt(dh), 0.0), (U + h * r, r, 0.0, 1.0),
+                               (Kb + h * dh, dh, 1.0, 0.0), (Wb + h * r, r, 1.0, 0.0), (Vb + h * dh, dh, 1.0, 0.0)):
+            rows += range(start, start + n)
+            const += [c] * n
+            umask += [u] * n
+    w = 3 * dh + 2 * r
+    return (torch.tensor(rows, device=device), torch.tensor(const, device=device).view(H, w),
+            torch.tensor(umask, device=device).view(H, w))
+
+
 def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return _Gather.apply(table, idx)
 
@@ -211,52 +235,62 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
         W_out = params[pre + "attn.out_proj.weight"]  # [K, d, d]
         table = params[pre + "attn.pos_bias"]  # [K, H, n_ctx]
         gp, gc = g_pos[:, l], g_content[:, l]  # [K, H]
-        W_qu, W_kw, W_v = _head_rows(W, d, H, dh, r)
-        W_qu = W_qu * _row_scale(e, dh, gc)[:, :, None]  # [K, H*e, d]
+        if l < L - 1 and l == 0 and tokens:
+            # layer 0 sees token embeddings only (point 3): LN(E) W^T for the V vocabulary rows, in
+            # the original row order; its columns put in per-head order and scaled (1/sqrt(dh) on Q,
+            # the content gate on U), laid out [K, H, V, .], and gathered by token per head
+            perm, const, umask = _head_columns(d, H, dh, r, E.device)
+            w = 2 * e + dh
+            rows = torch.addcmul(ln_b[:, None, :], _layer_norm(E), ln_w[:, None, :])  # [K, V, d]
+            tab = torch.bmm(rows, W.index_select(1, perm).transpose(1, 2))  # [K, V, H*w]
+            scale = torch.addcmul(const, gc[:, :, None], umask).view(K, 1, H * w)
+            tab = (tab * scale).view(K, V, H, w).transpose(1, 2)  # [K, H, V, w]
+            hidx = inputs.unsqueeze(1) + (torch.arange(K * H, device=inputs.device) * V).view(K, H, 1, 1)  # [K, H, B, T]
+            qe, ke, v = (_gather(tab[..., a:b].reshape(K * H * V, b - a), hidx).view(K * H * B, T, b - a)
+                         for a, b in ((0, e), (e, 2 * e), (2 * e, w)))
+        elif l < L - 1:
+            W_qu, W_kw, W_v = _head_rows(W, d, H, dh, r)
+            W_qu = W_qu * _row_scale(e, dh, gc)[:, :, None]  # [K, H*e, d]
         if l < L - 1:
-            if l == 0 and tokens:
-                # layer 0 sees token embeddings only: project the V vocabulary rows once and gather
-                # the per-head rows by token (point 3), straight into the [K, H, B, T, .] layout
-                nE = _layer_norm(E)  # [K, V, d]
-                hidx = inputs.unsqueeze(1) + (torch.arange(K * H, device=inputs.device) * V).view(K, H, 1, 1)  # [K, H, B, T]
-
-                def heads(Wr, width):
-                    tab = _proj(nE, Wr, ln_w, ln_b).view(K, V, H, width).transpose(1, 2)  # [K, H, V, w]
-                    return _gather(tab.reshape(K * H * V, width), hidx).view(K * H * B, T, width)
-            else:
+            if not (l == 0 and tokens):
                 n = _layer_norm(x)  # [K, B*T, d] (the affine part is folded into the weights)
 
                 def heads(Wr, width):  # three projections of one n: slicing a fused output costs more
                     y = _proj(n, Wr, ln_w, ln_b).view(K, B, T, H, width)
                     return y.permute(0, 3, 1, 2, 4).reshape(K * H * B, T, width)
-            qe, ke, v = heads(W_qu, e), heads(W_kw, e), heads(W_v, dh)
+                qe, ke, v = heads(W_qu, e), heads(W_kw, e), heads(W_v, dh)
             z = _Attention.apply(qe, ke, v, _pos_bias(table, gp, off_all, mask_all))  # [K*H*B, T, dh]
             z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
             x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 5)
         else:
             # queries at the loss positions only; keys and values re-associated onto n (point 4)
+            # in_proj rows in per-head order [Q_h, U_h, K_h, W_h, V_h], scaled (1/sqrt(dh) on Q, the
+            # content gate on U); the LayerNorm affine folded in (point 1)
+            perm, const, umask = _head_columns(d, H, dh, r, W.device)
+            w = 2 * e + dh
+            Wp = W.index_select(1, perm) * torch.addcmul(const, gc[:, :, None], umask).view(K, H * w, 1)
+            Wn = (Wp * ln_w[:, None, :]).view(K, H, w, d)
+            bn = torch.bmm(Wp, ln_b[:, :, None]).view(K, H, w)  # each row applied to the LN bias
             n4 = _layer_norm(x).view(K, B, T, d)
-            q = _proj(_take(n4, pos).reshape(K, B * P, d), W_qu, ln_w, ln_b)  # [K, B*P, H*e]
-            W_kw = (W_kw * ln_w[:, None, :]).view(K, H, e, d)
-            q = q.view(K, B * P, H, e).transpose(1, 2).reshape(K * H, B * P, e)
-            qt = torch.bmm(q, W_kw.reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
+            qa = torch.baddbmm(bn.view(K, 1, H * w), _take(n4, pos).reshape(K, B * P, d),
+                               Wn.view(K, H * w, d).transpose(1, 2))  # [K, B*P, H*w]: all rows, P positions
+            q = qa.view(K, B * P, H, w)[..., :e].transpose(1, 2).reshape(K * H, B * P, e)
+            qt = torch.bmm(q, Wn[:, :, e:2 * e].reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
             qt = qt.view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
             s = torch.bmm(qt, n4.reshape(K * B, T, d).transpose(1, 2)).view(K, B, H, P, T)
             s = s + _pos_bias(table, gp, off_q, mask_q).unsqueeze(1)
             nbar = torch.bmm(s.softmax(-1).view(K * B, H * P, T), n4.reshape(K * B, T, d))  # [K*B, H*P, d]
             nbar = nbar.view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
-            W_vn = (W_v * ln_w[:, None, :]).view(K, H, dh, d)
             W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
-            M = torch.matmul(W_o, W_vn)  # [K, H, d, d] = W_O,h W_V,h
-            c = W_out @ (W_v @ ln_b[:, :, None])  # [K, d, 1] = W_O W_V b
+            M = torch.matmul(W_o, Wn[:, :, 2 * e:])  # [K, H, d, d] = W_O,h W_V,h (LN weight folded)
+            c = torch.bmm(W_out, bn[:, :, 2 * e:].reshape(K, d, 1))  # [K, d, 1] = W_O W_V b
             xq = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
             x = torch.baddbmm(xq + c.transpose(1, 2), nbar, M.permute(0, 1, 3, 2).reshape(K, H * d, d))
     n = _layer_norm(x)  # [K, B*P, d]
     wf, bf = params["ln_final.weight"], params["ln_final.bias"]
+    n = torch.addcmul(bf[:, None, :], n, wf[:, None, :])  # only B*P rows: the affine is cheaper here than folded
     if tokens:
-        out = torch.baddbmm((E @ bf[:, :, None]).transpose(1, 2), n, (E * wf[:, None, :]).transpose(1, 2))
+        out = torch.bmm(n, E.transpose(1, 2))  # tied unembedding
     else:
-        Wr, br = params["read_out.weight"], params["read_out.bias"]
-        out = torch.baddbmm((Wr @ bf[:, :, None]).transpose(1, 2) + br[:, None, :], n,
-                            (Wr * wf[:, None, :]).transpose(1, 2))
+        out = torch.baddbmm(params["read_out.bias"][:, None, :], n, params["read_out.weight"].transpose(1, 2))
     return out.view(K, B, P, -1)
