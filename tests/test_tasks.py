@@ -272,6 +272,17 @@ def test_markov_order_free_heuristics_at_most_chance(p):
         assert acc <= chance + 0.03, (p, name, acc, chance)
 
 
+def test_markov_chance_depends_on_the_length():
+    """A longer context shows more distinct tokens, so guessing among them gets harder; the chance
+    at the base length is ``chance``; tasks whose chance does not depend on length say so."""
+    t = make_task(task_config("markov", p=0.5))
+    assert t.chance_at(32) == t.chance
+    assert t.chance_at(120) < t.chance_at(32) - 0.01
+    assert t.chance_at(16) > t.chance_at(32) + 0.01
+    a = make_task(task_config("assoc_recall"))
+    assert a.chance_at(120) == a.chance == pytest.approx(0.1)
+
+
 # ------------------------------------------------------------------ linear regression ICL
 def test_linear_icl_layout():
     cfg = task_config("linear_icl", d=5)

@@ -140,13 +140,13 @@ def cmd_eval(args) -> int:
         g_pos, g_content = model.gates(gp, gc)
     out = {"run_id": cfg.run_id, "metric": task.metric, task.metric: res[task.metric], "loss": res["loss"],
            "length": length, "g_pos": float(g_pos.mean()), "g_content": float(g_content.mean()),
-           "chance": task.chance}
+           "chance": task.chance_at(length)}
     if args.json:
         print(json.dumps(out, sort_keys=True))
     else:
         print(f"run {cfg.run_id} ({cfg.task.name}, {cfg.path.name}, seed {cfg.seed}) at length {length}, "
               f"g_pos={out['g_pos']:.3f} g_content={out['g_content']:.3f}: "
-              f"{task.metric} {res[task.metric]:.4f}, loss {res['loss']:.4f} (chance {task.chance:.3f})")
+              f"{task.metric} {res[task.metric]:.4f}, loss {res['loss']:.4f} (chance {out['chance']:.3f})")
     return 0
 
 

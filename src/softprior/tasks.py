@@ -109,7 +109,12 @@ class Task:
 
     @property
     def chance(self) -> float:
+        """The chance level at the base length 32."""
         raise NotImplementedError
+
+    def chance_at(self, length: int) -> float:
+        """The chance level for sequences of ``length`` (the same at every length unless overridden)."""
+        return self.chance
 
 
 class _TokenTask(Task):
@@ -181,20 +186,26 @@ class Markov(_TokenTask):
         return Batch(seq, succ.gather(1, a[:, None])[:, 0])
 
     @cached_property
-    def _chance(self) -> float:
-        g = torch.Generator().manual_seed(0)
-        b = self.sample(8192, 32, g)
-        counts = F.one_hot(b.inputs[:, :-1], self.cfg.vocab).sum(1)  # [B, V]
-        guess_seen = (1.0 / (counts > 0).sum(1).float()).mean()
-        most_frequent = (counts.argmax(1) == b.targets).float().mean()
-        return float(max(guess_seen, most_frequent))
+    def _chances(self) -> dict[int, float]:
+        return {}
+
+    def chance_at(self, length: int) -> float:
+        """The best order-free heuristic for sequences of ``length`` (Monte Carlo, 8,192 sequences,
+        fixed seed): the larger of guessing among the tokens seen and predicting the most frequent
+        context token. Without an induction lookup (using the token order) a model cannot beat it.
+        It depends on the length: a longer context shows more distinct tokens."""
+        if length not in self._chances:
+            b = self.sample(8192, length, torch.Generator().manual_seed(0))
+            counts = F.one_hot(b.inputs[:, :-1], self.cfg.vocab).sum(1)  # [B, V]
+            guess_seen = (1.0 / (counts > 0).sum(1).float()).mean()
+            most_frequent = (counts.argmax(1) == b.targets).float().mean()
+            self._chances[length] = float(max(guess_seen, most_frequent))
+        return self._chances[length]
 
     @property
     def chance(self) -> float:
-        """The best order-free heuristic at the base length 32 (Monte Carlo, fixed seed): the larger of
-        guessing among the tokens seen and predicting the most frequent context token. Without an
-        induction lookup (using the token order) a model cannot beat it."""
-        return self._chance
+        """``chance_at(32)``, the base length."""
+        return self.chance_at(32)
 
 
 class LinearICL(Task):
