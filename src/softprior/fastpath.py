@@ -175,6 +175,14 @@ def _head_columns(d: int, H: int, dh: int, r: int, device: torch.device):
             torch.tensor(umask, device=device).view(H, w))
 
 
+def _per_head_rows(W: torch.Tensor, g_content: torch.Tensor, d: int, H: int, dh: int, r: int):
+    """in_proj rows in per-head order [Q_h, U_h, K_h, W_h, V_h] ([K, H*w, d], one ``index_select``)
+    and their scale ([K, H*w]: 1/sqrt(dh) on Q rows, the head's content gate on U rows, 1 elsewhere)."""
+    perm, const, umask = _head_columns(d, H, dh, r, W.device)
+    K = W.shape[0]
+    return W.index_select(1, perm), torch.addcmul(const, g_content[:, :, None], umask).view(K, -1)
+
+
 def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return _Gather.apply(table, idx)
 
@@ -235,24 +243,21 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
         W_out = params[pre + "attn.out_proj.weight"]  # [K, d, d]
         table = params[pre + "attn.pos_bias"]  # [K, H, n_ctx]
         gp, gc = g_pos[:, l], g_content[:, l]  # [K, H]
-        if l < L - 1 and l == 0 and tokens:
-            # layer 0 sees token embeddings only (point 3): LN(E) W^T for the V vocabulary rows, in
-            # the original row order; its columns put in per-head order and scaled (1/sqrt(dh) on Q,
-            # the content gate on U), laid out [K, H, V, .], and gathered by token per head
-            perm, const, umask = _head_columns(d, H, dh, r, E.device)
-            w = 2 * e + dh
-            rows = torch.addcmul(ln_b[:, None, :], _layer_norm(E), ln_w[:, None, :])  # [K, V, d]
-            tab = torch.bmm(rows, W.index_select(1, perm).transpose(1, 2))  # [K, V, H*w]
-            scale = torch.addcmul(const, gc[:, :, None], umask).view(K, 1, H * w)
-            tab = (tab * scale).view(K, V, H, w).transpose(1, 2)  # [K, H, V, w]
-            hidx = inputs.unsqueeze(1) + (torch.arange(K * H, device=inputs.device) * V).view(K, H, 1, 1)  # [K, H, B, T]
-            qe, ke, v = (_gather(tab[..., a:b].reshape(K * H * V, b - a), hidx).view(K * H * B, T, b - a)
-                         for a, b in ((0, e), (e, 2 * e), (2 * e, w)))
-        elif l < L - 1:
-            W_qu, W_kw, W_v = _head_rows(W, d, H, dh, r)
-            W_qu = W_qu * _row_scale(e, dh, gc)[:, :, None]  # [K, H*e, d]
         if l < L - 1:
-            if not (l == 0 and tokens):
+            if l == 0 and tokens:
+                # layer 0 sees token embeddings only (point 3): LN(E) W^T for the V vocabulary rows
+                # with all in_proj rows in per-head order, scaled, laid out [K, H, V, .], gathered by token
+                W_p, scale = _per_head_rows(W, gc, d, H, dh, r)
+                w = 2 * e + dh
+                rows = torch.addcmul(ln_b[:, None, :], _layer_norm(E), ln_w[:, None, :])  # [K, V, d]
+                tab = torch.bmm(rows, W_p.transpose(1, 2)) * scale[:, None, :]  # [K, V, H*w]
+                tab = tab.view(K, V, H, w).transpose(1, 2)  # [K, H, V, w]
+                hidx = inputs.unsqueeze(1) + (torch.arange(K * H, device=inputs.device) * V).view(K, H, 1, 1)  # [K, H, B, T]
+                qe, ke, v = (_gather(tab[..., a:b].reshape(K * H * V, b - a), hidx).view(K * H * B, T, b - a)
+                             for a, b in ((0, e), (e, 2 * e), (2 * e, w)))
+            else:
+                W_qu, W_kw, W_v = _head_rows(W, d, H, dh, r)
+                W_qu = W_qu * _row_scale(e, dh, gc)[:, :, None]  # [K, H*e, d]
                 n = _layer_norm(x)  # [K, B*T, d] (the affine part is folded into the weights)
 
                 def heads(Wr, width):  # three projections of one n: slicing a fused output costs more
@@ -266,9 +271,9 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             # queries at the loss positions only; keys and values re-associated onto n (point 4)
             # in_proj rows in per-head order [Q_h, U_h, K_h, W_h, V_h], scaled (1/sqrt(dh) on Q, the
             # content gate on U); the LayerNorm affine folded in (point 1)
-            perm, const, umask = _head_columns(d, H, dh, r, W.device)
+            W_p, scale = _per_head_rows(W, gc, d, H, dh, r)
             w = 2 * e + dh
-            Wp = W.index_select(1, perm) * torch.addcmul(const, gc[:, :, None], umask).view(K, H * w, 1)
+            Wp = W_p * scale[:, :, None]
             Wn = (Wp * ln_w[:, None, :]).view(K, H, w, d)
             bn = torch.bmm(Wp, ln_b[:, :, None]).view(K, H, w)  # each row applied to the LN bias
             n4 = _layer_norm(x).view(K, B, T, d)
