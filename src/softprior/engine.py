@@ -37,7 +37,7 @@ from . import fastpath
 from .config import RunConfig
 from .optim import AdamW
 from .runtime import prepare_training
-from .train import RunResult, TrainingDiverged, build_model, is_decayed, run_summary, seeded_generator
+from .train import RunResult, TrainingDiverged, build_model, param_groups, run_summary, seeded_generator
 from .tasks import make_task
 
 __all__ = ["train_group", "group_key"]
@@ -80,8 +80,7 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     params, _ = stack_module_state(models)
     params = {k: v.detach().to(dev).requires_grad_(True) for k, v in params.items()}
     names = list(params)
-    opt = AdamW([{"params": [params[n] for n in names if is_decayed(n)], "weight_decay": c0.weight_decay},
-                 {"params": [params[n] for n in names if not is_decayed(n)], "weight_decay": 0.0}], lr=c0.lr)
+    opt = AdamW(param_groups(params.items(), c0.weight_decay), lr=c0.lr)
     clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs], device=dev)
     data_gens = [seeded_generator(c.seed, 0) for c in cfgs]
     drop_gens = [seeded_generator(c.seed, 1) for c in cfgs]

@@ -70,15 +70,16 @@ def is_decayed(name: str) -> bool:
     return name.endswith(_DECAYED)
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float):
+def param_groups(named_params, weight_decay: float) -> list[dict]:
+    """AdamW groups from (name, parameter) pairs: decayed (``is_decayed``) and not, in the given order."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in named_params:
         (decay if is_decayed(name) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def make_optimizer(model, cfg: RunConfig) -> AdamW:
-    return AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    return AdamW(param_groups(model.named_parameters(), cfg.weight_decay), lr=cfg.lr)
 
 
 @torch.no_grad()
