@@ -16,10 +16,10 @@ What it does differently (each an exact algebraic identity, so only rounding dif
 2. **in_proj rows regrouped per head**: per head ``[Q_h / sqrt(d_head), g_content,h U_h]``
    and ``[K_h, W_h]`` side by side, so the paper's logits ``Q K^T / sqrt(d_head) + g_c (xU)(xW)^T``
    are one batched matmul of the two blocks, without a concatenation of activations; the scale and
-   the content gate ride on the weight. Layer 0 and the last layer take all rows in one
-   ``index_select`` into the per-head order ``[Q_h, U_h, K_h, W_h, V_h]`` (``_head_columns``) with
-   one per-row scale; middle layers use slices (``_head_rows``), three projections of the same
-   normalised input (slicing one fused output measured slower in the backward).
+   the content gate ride on the weight. Every layer takes all rows in one ``index_select`` into the
+   per-head order ``[Q_h, U_h, K_h, W_h, V_h]`` (``_per_head_rows``) with one per-row scale; middle
+   layers then make three projections of the same normalised input (slicing one fused output
+   measured slower in the backward).
 3. **Layer 0 of a token model works on the vocabulary.** Its input is the token embedding, so
    ``LN(E[tok]) W^T = (LN(E) W^T)[tok]``: all in_proj rows are applied to the V vocabulary entries
    in one matmul ([V, d] x [d, 208]), and the per-head query, key and value columns are gathered by
@@ -73,17 +73,6 @@ def model_forward(model, inputs: torch.Tensor, gate_pos=None, gate_content=None,
     return fast_forward(stacked_params(model), model.cfg, inputs, gp[None], gc[None], positions)[0]
 
 
-def _head_rows(W: torch.Tensor, d: int, H: int, dh: int, r: int):
-    """in_proj rows (stored Q | K | V | U | W) regrouped per head: [Q_h, U_h] and [K_h, W_h] blocks
-    ([K, H*(dh+r), d] each), and V ([K, d, d]). Slices and one concatenation each: their backward
-    is a copy into slices, not an indexed scatter."""
-    K = W.shape[0]
-
-    def pair(a, c):
-        return torch.cat([W[:, a:a + d].view(K, H, dh, d), W[:, c:c + H * r].view(K, H, r, d)], 2).view(K, -1, d)
-    return pair(0, 3 * d), pair(d, 3 * d + H * r), W[:, 2 * d:3 * d]
-
-
 @lru_cache(maxsize=64)
 def _geometry(T: int, n_ctx: int, positions: tuple[int, ...] | None, device: torch.device):
     """Clipped relative offsets and the causal mask (0 / -inf) for all queries and for ``positions``."""
@@ -92,15 +81,6 @@ def _geometry(T: int, n_ctx: int, positions: tuple[int, ...] | None, device: tor
     off = (qpos[:, None] - kpos[None, :]).clamp(0, n_ctx - 1)
     mask = torch.zeros(len(qpos), T, device=device).masked_fill_(qpos[:, None] < kpos[None, :], float("-inf"))
     return off, mask
-
-
-def _row_scale(qu_len_per_head: int, dh: int, g_content: torch.Tensor) -> torch.Tensor:
-    """[K, H * (dh + r)]: 1/sqrt(dh) on the Q rows, the head's content gate on its U rows."""
-    K, H = g_content.shape
-    r = qu_len_per_head - dh
-    q = torch.full((K, H, dh), 1.0 / math.sqrt(dh), dtype=g_content.dtype, device=g_content.device)
-    u = g_content[:, :, None].expand(K, H, r)
-    return torch.cat([q, u], dim=-1).reshape(K, H * qu_len_per_head)
 
 
 def _pos_bias(table: torch.Tensor, g_pos: torch.Tensor, off: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -256,8 +236,9 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
                 qe, ke, v = (_gather(tab[..., a:b].reshape(K * H * V, b - a), hidx).view(K * H * B, T, b - a)
                              for a, b in ((0, e), (e, 2 * e), (2 * e, w)))
             else:
-                W_qu, W_kw, W_v = _head_rows(W, d, H, dh, r)
-                W_qu = W_qu * _row_scale(e, dh, gc)[:, :, None]  # [K, H*e, d]
+                W_p, scale = _per_head_rows(W, gc, d, H, dh, r)
+                Wh = (W_p * scale[:, :, None]).view(K, H, -1, d)
+                W_qu, W_kw, W_v = (Wh[:, :, a:b].reshape(K, -1, d) for a, b in ((0, e), (e, 2 * e), (2 * e, None)))
                 n = _layer_norm(x)  # [K, B*T, d] (the affine part is folded into the weights)
 
                 def heads(Wr, width):  # three projections of one n: slicing a fused output costs more
