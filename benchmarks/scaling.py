@@ -44,8 +44,9 @@ def main():
         ms = _ms(_our_step(cfg))
         rows.append((f"single, {model}, B={B}, T={T}", ms, train_step_flops(cfg) / ms / 1e6))
         print(f"{rows[-1][0]}: {ms:.2f} ms", file=sys.stderr)
-    train_group([make_run_config("assoc_recall", "unforced", 0, steps=5, eval_every=10 ** 6, n_val=64)])  # warm-up:
-    for K in (1, 2, 4, 8, 16):  # one-time start-up costs would otherwise land on K=1
+    # warm-up: one-time start-up costs would otherwise land on the K=1 row
+    train_group([make_run_config("assoc_recall", "unforced", 0, steps=5, eval_every=10 ** 6, n_val=64)])
+    for K in (1, 2, 4, 8, 16):
         steps = 30
         cfgs = [make_run_config("assoc_recall", "unforced", k, steps=steps, eval_every=10 ** 6, n_val=64)
                 for k in range(K)]
