@@ -113,7 +113,7 @@ def cmd_train(args) -> int:
           f"model={args.model} params={n_params:,} steps={cfg.total_steps}"
           + ("  [already in store: not retrained]" if was_done else ""), file=sys.stderr if args.json else sys.stdout)
     t0 = time.perf_counter()
-    summary = dict(run(cfg, store, progress=not args.no_progress))
+    summary = dict(run(cfg, store, progress=not args.no_progress, require_calibration=not args.exploratory))
     if was_done:
         summary["cached"] = True
     summary.setdefault("seconds", round(time.perf_counter() - t0, 3))
@@ -177,10 +177,62 @@ def cmd_reproduce(args) -> int:
     print(f"{exp.name}: {exp.description}\n{len(cells)} runs, store {args.store}, executor {args.executor}"
           f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {args.group}", file=sys.stderr)
     report = execute([c.cfg for c in cells], store, executor=args.executor, workers=args.workers,
-                     group_size=args.group, address=args.address, progress=not args.no_progress)
+                     group_size=args.group, address=args.address, progress=not args.no_progress,
+                     require_calibration=not args.exploratory)
     print(report.line(), file=sys.stderr)
     _write_report(args, exp, cells, store)
     return 1 if report.failed else 0
+
+
+def cmd_calibrate(args) -> int:
+    from pathlib import Path
+
+    from .calibration import load_space
+    from .calibration.report import choose, write_outputs
+    from .calibration.search import load_candidates, run_search
+
+    space = load_space(args.space or args.task)
+    if space.task != args.task:
+        raise CliError(f"search space {space.name!r} is for task {space.task!r}, not {args.task!r}")
+    if args.budget is not None and args.budget < 1:
+        raise CliError(f"--budget must be >= 1, got {args.budget}")
+    store = _store(args)
+    out = Path(args.out or f"results/calibration/{space.name}")
+    t0 = time.perf_counter()
+    if args.budget:
+        cands = run_search(space, store, budget=args.budget, executor=args.executor, workers=args.workers,
+                           group_size=args.group, batch=args.batch, progress=not args.no_progress,
+                           address=args.address, steps=args.steps,
+                           log=lambda m: print(m, file=sys.stderr))
+    else:
+        cands = load_candidates(space, store)
+    if args.register:
+        from .calibration.doc import register
+        rec = register(space, store, cands, steps=args.steps, ship=args.ship, doc=args.doc)
+        print(f"registered {rec['hash']} at {rec['registered_at']}: {rec['task_options']} {rec['model_options']}"
+              f" ({'passes' if rec['passes'] else 'NO candidate passes: nearest'})", file=sys.stderr)
+    fade = None
+    if args.robustness:
+        from .calibration.robustness import fade_points, run_robustness
+        rep = run_robustness(space, store, cands, executor=args.executor, workers=args.workers,
+                             group_size=args.group, progress=not args.no_progress, steps=args.steps)
+        print(rep.line(), file=sys.stderr)
+        fade = fade_points(space, store, cands, steps=args.steps)
+    else:
+        from .calibration.robustness import fade_points
+        fade = fade_points(space, store, cands, steps=args.steps) or None
+    files = write_outputs(space, cands, out, fade)
+    if args.doc:
+        from .calibration.doc import update_doc
+        update_doc(args.doc, space, store, cands, steps=args.steps, figure=files.get("figure"))
+    print((out / "candidates.md").read_text())
+    best = choose(cands)
+    n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible")}
+    print(f"{len(cands)} candidates: " + ", ".join(f"{v} {k}" for k, v in n.items())
+          + (f"; nearest passing: #{best.number} ({best.label}), distance {best.distance:.3f}" if best
+             else "; no candidate passes every criterion") + f"; {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    print(f"wrote {', '.join(str(f) for f in files.values())}", file=sys.stderr)
+    return 0
 
 
 def cmd_report(args) -> int:
@@ -255,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--store", default="runs")
     t.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--exploratory", action="store_true",
+                   help="train a prediction row even if no calibration record covers its configuration")
     t.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a stored run under a gate override")
@@ -285,7 +339,33 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--device", default=None, help="where grouped runs (--group > 1) train, e.g. cuda "
                            "(default: $SOFTPRIOR_DEVICE or cpu)")
             r.add_argument("--no-progress", action="store_true")
+            r.add_argument("--exploratory", action="store_true",
+                           help="train prediction rows even if no calibration record covers their configuration")
         r.set_defaults(fn=fn)
+    c = sub.add_parser("calibrate", help="search task design and initialisation against the difficulty rows "
+                       "(Optuna), pre-register the choice, map the claims' robustness")
+    c.add_argument("task", choices=["assoc_recall", "markov", "linear_icl"])
+    c.add_argument("--space", default=None, help="a .toml/.json search space or a shipped one "
+                   "(default: the task's shipped space)")
+    c.add_argument("--budget", type=int, default=None, help="candidates to measure in all (a resumed search "
+                   "counts those measured before); default: only report")
+    c.add_argument("--register", action="store_true", help="pre-register the choice (the passing candidate "
+                   "nearest to the difficulty rows) in the store and --doc, before any prediction row")
+    c.add_argument("--ship", action="store_true", help="with --register: also make it the package default "
+                   "(writes src/softprior/calibration/registered/TASK.json)")
+    c.add_argument("--robustness", action="store_true", help="train the prediction rows of every passing "
+                   "candidate (needs a registered record) and count the claims")
+    c.add_argument("--store", default="runs")
+    c.add_argument("--out", default=None, help="output directory (default results/calibration/SPACE)")
+    c.add_argument("--doc", default=None, help="splice the generated blocks into this markdown file")
+    c.add_argument("--executor", default="local", choices=["local", "ray"])
+    c.add_argument("--workers", type=int, default=1)
+    c.add_argument("--group", type=int, default=6)
+    c.add_argument("--batch", type=int, default=4, help="candidates asked of Optuna at once")
+    c.add_argument("--address", default=None)
+    c.add_argument("--steps", type=int, default=None, help="step budget per run (smoke tests only; default 3600)")
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(fn=cmd_calibrate)
     x = sub.add_parser("experiments", help="list experiments")
     x.add_argument("--plugin", action="append")
     x.set_defaults(fn=cmd_experiments)

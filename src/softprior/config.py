@@ -22,6 +22,14 @@ __all__ = ["RunConfig", "make_run_config", "NON_SEMANTIC_FIELDS"]
 # fields that do not change a run's numbers, so they are left out of its hash
 NON_SEMANTIC_FIELDS = {"checkpoint_every", "label"}
 
+# options added after the first release (task design and initialisation axes of the calibration
+# search): hashed only when set away from their default, so every earlier run id stays valid
+LATER_DEFAULTS = {
+    "task": {"layout": "disjoint", "n_queries": 1, "loss_on": ("last", "final"), "placement": "packed",
+             "query": "distinct", "n_points": None},
+    "model": {"prior_cap": 8.0},
+}
+
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -60,6 +68,10 @@ class RunConfig(BaseModel):
     def canonical(self) -> dict[str, Any]:
         """The hashed content: every field that changes the numbers (not labels or descriptions)."""
         d = self.model_dump(mode="json", exclude=NON_SEMANTIC_FIELDS)
+        for part, defaults in LATER_DEFAULTS.items():
+            for k, default in defaults.items():
+                if k in d[part] and (d[part][k] in default if isinstance(default, tuple) else d[part][k] == default):
+                    del d[part][k]
         p = d["path"]
         while p is not None:  # a path's help text is not part of its identity
             p.pop("description", None)
@@ -85,6 +97,11 @@ def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "
                     baseline: str | None = None, **overrides) -> RunConfig:
     """Build a RunConfig from names (as the CLI does) plus overrides. ``baseline`` (one of
     ``softprior.baselines.BASELINES``) sets the model's positional scheme and the path."""
+    if isinstance(task, str):  # the task's pre-registered calibration (calibration/record.py) is the default
+        from .calibration.record import default_options
+        t_def, m_def = default_options(task)
+        task_options = {**t_def, **(task_options or {})}
+        model_options = {**m_def, **(model_options or {})}
     tcfg = task_config(task, **(task_options or {})) if isinstance(task, str) else task
     pcfg = get_path(path) if isinstance(path, str) else path
     if baseline is not None:

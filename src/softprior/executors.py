@@ -185,14 +185,21 @@ def _jobs(cfgs: list[RunConfig], group_size: int) -> list[list[RunConfig]]:
 def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", workers: int = 1,
             group_size: int = 1, address: str | None = None, progress: bool = True,
             wait_for_others: bool = True, poll_seconds: float = 2.0, sweep_bar: bool = True,
-            on_result: Callable[[RunConfig, dict | None, str | None], None] | None = None) -> SweepReport:
-    """Make sure every config in ``cfgs`` is in ``store``; return what happened."""
+            on_result: Callable[[RunConfig, dict | None, str | None], None] | None = None,
+            require_calibration: bool = True) -> SweepReport:
+    """Make sure every config in ``cfgs`` is in ``store``; return what happened.
+
+    ``require_calibration``: refuse (``CalibrationMissing``) before training anything when a
+    prediction row to be trained has no pre-registered calibration record (calibration/record.py)."""
     t0 = time.perf_counter()
     if executor not in ("local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; allowed: local, ray")
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     cfgs = _unique(cfgs)
+    if require_calibration:
+        from .calibration.record import check_calibrated
+        check_calibrated([c for c in cfgs if not store.is_done(c.run_id)], store.root)
     report = SweepReport(total=len(cfgs))
     report.skipped = sum(store.is_done(c.run_id) for c in cfgs)
     # derived runs need their parents: parents form the first phase

@@ -62,12 +62,25 @@ class ModelConfig(BaseModel):
     gate_logit_init: float = 0.0
     embed_init_std: float = Field(1.0, gt=0, description="std of the token embedding (PyTorch's default is 1.0)")
     content_init_std: float = Field(0.02, ge=0)
-    prior_init: Literal["zero", "locality"] = Field(
-        "locality", description="B^pos init: zero, or B[h, r] = -scale (r - h)^2 on prior_layers")
+    prior_init: Literal["zero", "locality", "bounded", "alibi"] = Field(
+        "locality", description="B^pos init on prior_layers (the others start at zero): zero; locality "
+        "B[h, r] = -scale (r - h)^2; bounded min(that, prior_cap) in magnitude; alibi -scale m_h r")
     prior_layers: tuple[int, ...] = (0,)
     prior_scale: float = 1.0
+    prior_cap: float = Field(8.0, gt=0, description="bound on |B| for prior_init='bounded'")
     prior: bool = Field(True, description="False: no soft prior (gates always 0), for static baselines")
     positional: str = Field("none", description="static positional scheme (softprior.positional), or none")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data):
+        """A zero-initialised B^pos has no scale, layers or cap: they take their defaults, so equal
+        models have one config (and one run id)."""
+        if isinstance(data, dict) and data.get("prior_init") == "zero":
+            data = {k: v for k, v in data.items() if k not in ("prior_scale", "prior_layers", "prior_cap")}
+        if isinstance(data, dict) and data.get("prior_init", "locality") != "bounded":
+            data = {k: v for k, v in data.items() if k != "prior_cap"}
+        return data
 
     @model_validator(mode="after")
     def _check(self):
@@ -96,6 +109,25 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     if name not in MODEL_PRESETS:
         raise UnknownModelError(f"unknown model {name!r}; allowed: {', '.join(MODEL_PRESETS)}")
     return ModelConfig(**{**MODEL_PRESETS[name], **overrides})
+
+
+def initial_pos_bias(cfg: ModelConfig) -> torch.Tensor:
+    """The B^pos table [H, n_ctx] a prior layer starts from (SPEC section 8):
+    - "locality": B[h, r] = -scale (r - h)^2, head h centred on offset h (the prototype's prior);
+    - "bounded": the same, clipped at -prior_cap, so far offsets keep a usable softmax gradient
+      (SPEC section 8: an unbounded quadratic on every layer reaches -450 and layer 1 cannot learn);
+    - "alibi": B[h, r] = -scale m_h r with ALiBi's geometric slopes m_h = 2^(-8 (h+1) / H)
+      (Press et al. 2022, section 3);
+    - "zero": all zeros."""
+    H = cfg.n_heads
+    r = torch.arange(cfg.n_ctx, dtype=torch.float32)
+    h = torch.arange(H, dtype=torch.float32)[:, None]
+    if cfg.prior_init == "zero":
+        return torch.zeros(H, cfg.n_ctx)
+    if cfg.prior_init == "alibi":
+        return -cfg.prior_scale * 2.0 ** (-8.0 * (h + 1) / H) * r
+    quad = -cfg.prior_scale * (r - h) ** 2
+    return quad if cfg.prior_init == "locality" else quad.clamp(min=-cfg.prior_cap)
 
 
 # ------------------------------------------------------------------------------------------ hooks
@@ -140,10 +172,8 @@ class Attention(nn.Module):
                                       layer=layer, n_layers=cfg.n_layers)
         with torch.no_grad():
             self.in_proj.weight[3 * d:].normal_(0.0, cfg.content_init_std)
-            if cfg.prior_init == "locality" and layer in cfg.prior_layers:
-                r_ = torch.arange(cfg.n_ctx, dtype=torch.float32)
-                h_ = torch.arange(H, dtype=torch.float32)[:, None]
-                self.pos_bias.copy_(-cfg.prior_scale * (r_ - h_) ** 2)  # head h centred on offset h
+            if cfg.prior_init != "zero" and layer in cfg.prior_layers:
+                self.pos_bias.copy_(initial_pos_bias(cfg))
 
     def forward(self, x: torch.Tensor, g_pos: torch.Tensor, g_content: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,11 +15,12 @@ class RunFailedError(StoreError):
     pass
 
 
-def run(cfg: RunConfig, store: RunStore, *, progress: bool = False) -> dict:
-    """Ensure ``cfg`` is trained and stored; return its summary."""
+def run(cfg: RunConfig, store: RunStore, *, progress: bool = False, require_calibration: bool = True) -> dict:
+    """Ensure ``cfg`` is trained and stored; return its summary. A prediction row needs a
+    pre-registered calibration record unless ``require_calibration=False`` (calibration/record.py)."""
     from .executors import execute
     if not store.is_done(cfg.run_id):
-        report = execute([cfg], store, progress=progress, sweep_bar=False)
+        report = execute([cfg], store, progress=progress, sweep_bar=False, require_calibration=require_calibration)
         if report.failed:
             rid, err = report.failed[-1]
             raise RunFailedError(f"run {rid} failed: {err.strip().splitlines()[0]}")

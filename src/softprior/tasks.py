@@ -8,6 +8,16 @@ Associative recall (our own generator, in the spirit of zoology's MQAR):
     replacement "predict the most frequent value in context" beats chance (SPEC section 8).
     Sequences are left-padded to the requested length, so the same task runs at length 120.
     Loss and accuracy on the final (query) position only. Chance = 1 / n_pairs.
+    Options (calibration axes, all validated config fields; defaults are the form above):
+    - ``layout``: "disjoint" key/value halves (above) or "pool": keys and values drawn together from
+      one pool of tokens 1..V-1, all 2n distinct, so a token's role is only known from its position.
+    - ``n_queries``: Q >= 1 distinct keys queried at the end, [..pairs.., q_1 ... q_Q], the target at
+      q_i being its value (zoology's MQAR asks several queries per sequence; the answers are not
+      written into the sequence here, so no query can copy an earlier answer).
+    - ``loss_on``: "last" (the final query only) or "queries" (every query position, averaged).
+      The metric is always the final query's accuracy, so tables stay comparable.
+    - ``placement``: "packed" (pairs adjacent, left padding) or "spread": the n pairs occupy n of the
+      (T - Q) // 2 two-token slots before the queries, chosen uniformly, PAD (0) filling the rest.
 
 Markov induction with repeat probability p:
     each sequence draws its own successor map s (a random bijection of V); x_0 is uniform;
@@ -15,6 +25,13 @@ Markov induction with repeat probability p:
     distinct tokens that occurred earlier directly followed by s(a); the target is s(a).
     Chance is the best order-free heuristic (see ``Markov.chance``), since the target always occurs
     in context and so guessing among seen tokens beats 1/V.
+    Options: ``loss_on`` "final" (the final prediction only, as above) or "determined": next-token
+    loss at every position t whose successor is determined by the context, i.e. x_{t+1} = s(x_t) and
+    x_t already occurred earlier directly followed by s(x_t) (the in-context Markov-chain objective
+    restricted to predictable targets), plus the final position; the metric stays the final
+    prediction. ``query``: "distinct" (the final token is uniform over the distinct tokens with an
+    occurrence, above) or "occurrence" (uniform over the occurrences, which favours frequent tokens;
+    the order-free chance level, measured, accounts for it).
 
 Linear regression ICL (Garg et al. 2022; dtsip/in-context-learning):
     w ~ N(0, I_d), x_k ~ N(0, I_d), y_k = w . x_k; the input is x_1, [y_1, 0..0], ..., x_n, [y_n, 0..0],
@@ -22,6 +39,7 @@ Linear regression ICL (Garg et al. 2022; dtsip/in-context-learning):
     layer and reads out a scalar at every x position; the loss is the mean squared error over all x
     positions (Garg's objective). The metric is the query's squared error divided by d, so the
     zero predictor scores 1.0 (its "chance"); least squares is exact (0) once n >= d.
+    Option ``n_points``: the number of in-context points (None: as many as fit, (T - 1) // 2).
 """
 
 from __future__ import annotations
@@ -56,13 +74,32 @@ class AssocRecallConfig(_TaskBase):
     name: Literal["assoc_recall"] = "assoc_recall"
     n_pairs: int = Field(10, ge=2)
     vocab: int = Field(32, ge=5)
-    n_keys: int = Field(15, ge=2, description="keys are tokens 1..n_keys (0 is PAD)")
+    n_keys: int = Field(15, ge=2, description="keys are tokens 1..n_keys (0 is PAD); layout='disjoint' only")
+    layout: Literal["disjoint", "pool"] = Field(
+        "disjoint", description="disjoint key/value halves, or one pool of tokens 1..vocab-1 for both")
+    n_queries: int = Field(1, ge=1, description="distinct keys queried at the end of the sequence (MQAR-style)")
+    loss_on: Literal["last", "queries"] = Field("last", description="loss on the final query, or on every query")
+    placement: Literal["packed", "spread"] = Field(
+        "packed", description="pairs adjacent, or spread over two-token slots with PAD filler between them")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data):
+        """One query: loss on the queries is loss on the last, so both spell the same config (one run id)."""
+        if isinstance(data, dict) and data.get("n_queries", 1) == 1 and data.get("loss_on") == "queries":
+            data = {**data, "loss_on": "last"}
+        return data
 
     @model_validator(mode="after")
     def _check(self):
-        n_values = self.vocab - 1 - self.n_keys
-        if n_values < self.n_pairs or self.n_keys < self.n_pairs:
-            raise ValueError(f"n_pairs={self.n_pairs} needs n_keys and vocab-1-n_keys (={n_values}) >= n_pairs")
+        if self.layout == "disjoint":
+            n_values = self.vocab - 1 - self.n_keys
+            if n_values < self.n_pairs or self.n_keys < self.n_pairs:
+                raise ValueError(f"n_pairs={self.n_pairs} needs n_keys and vocab-1-n_keys (={n_values}) >= n_pairs")
+        elif 2 * self.n_pairs > self.vocab - 1:
+            raise ValueError(f"layout='pool' needs 2*n_pairs <= vocab-1, got n_pairs={self.n_pairs}, vocab={self.vocab}")
+        if self.n_queries > self.n_pairs:
+            raise ValueError(f"n_queries={self.n_queries} must be <= n_pairs={self.n_pairs}")
         return self
 
 
@@ -70,11 +107,16 @@ class MarkovConfig(_TaskBase):
     name: Literal["markov"] = "markov"
     p: float = Field(0.5, gt=0.0, le=1.0)
     vocab: int = Field(32, ge=4)
+    loss_on: Literal["final", "determined"] = Field(
+        "final", description="loss on the final prediction, or next-token loss wherever the successor is determined")
+    query: Literal["distinct", "occurrence"] = Field(
+        "distinct", description="final token uniform over distinct tokens with an occurrence, or over occurrences")
 
 
 class LinearICLConfig(_TaskBase):
     name: Literal["linear_icl"] = "linear_icl"
     d: int = Field(5, ge=1)
+    n_points: int | None = Field(None, ge=1, description="in-context points; None: as many as fit, (T-1)//2")
 
 
 TaskConfig = Annotated[Union[AssocRecallConfig, MarkovConfig, LinearICLConfig], Field(discriminator="name")]
@@ -129,28 +171,62 @@ class _TokenTask(Task):
 
 class AssocRecall(_TokenTask):
     def min_length(self) -> int:
-        return 2 * self.cfg.n_pairs + 1
+        return 2 * self.cfg.n_pairs + self.cfg.n_queries
 
     @property
     def chance(self) -> float:
         return 1.0 / self.cfg.n_pairs
 
+    def loss_positions(self, length: int) -> torch.Tensor:
+        c = self.cfg
+        if c.loss_on == "queries":
+            return torch.arange(length - c.n_queries, length)
+        return torch.tensor([length - 1])
+
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         c = self.cfg
         if length < self.min_length():
-            raise ValueError(f"assoc_recall with n_pairs={c.n_pairs} needs length >= {self.min_length()}, got {length}")
-        n, B = c.n_pairs, batch_size
-        n_values = c.vocab - 1 - c.n_keys
-        # distinct keys / values: the first n of a random permutation (argsort of uniform noise)
-        keys = torch.rand(B, c.n_keys, generator=generator).argsort(-1)[:, :n] + 1
-        vals = torch.rand(B, n_values, generator=generator).argsort(-1)[:, :n] + (c.vocab - n_values)
-        which = torch.randint(0, n, (B,), generator=generator)
+            raise ValueError(f"assoc_recall with n_pairs={c.n_pairs}, n_queries={c.n_queries} needs length >= "
+                             f"{self.min_length()}, got {length}")
+        n, B, Q = c.n_pairs, batch_size, c.n_queries
+        if c.layout == "disjoint":
+            n_values = c.vocab - 1 - c.n_keys
+            # distinct keys / values: the first n of a random permutation (argsort of uniform noise)
+            keys = torch.rand(B, c.n_keys, generator=generator).argsort(-1)[:, :n] + 1
+            vals = torch.rand(B, n_values, generator=generator).argsort(-1)[:, :n] + (c.vocab - n_values)
+        else:  # one pool: 2n distinct tokens, the first n keys, the next n values
+            perm = torch.rand(B, c.vocab - 1, generator=generator).argsort(-1)[:, :2 * n] + 1
+            keys, vals = perm[:, :n], perm[:, n:]
+        if Q == 1:
+            which = torch.randint(0, n, (B,), generator=generator)[:, None]
+        else:
+            which = torch.rand(B, n, generator=generator).argsort(-1)[:, :Q]  # Q distinct queried pairs
         seq = torch.zeros(B, length, dtype=torch.long)
-        start = length - (2 * n + 1)
-        seq[:, start:start + 2 * n:2] = keys
-        seq[:, start + 1:start + 2 * n:2] = vals
-        seq[:, -1] = keys.gather(1, which[:, None])[:, 0]
-        return Batch(seq, vals.gather(1, which[:, None])[:, 0])
+        if c.placement == "packed":
+            start = length - (2 * n + Q)
+            seq[:, start:start + 2 * n:2] = keys
+            seq[:, start + 1:start + 2 * n:2] = vals
+        else:  # n of the (length - Q) // 2 two-token slots before the queries, in order
+            n_slots = (length - Q) // 2
+            slots = torch.rand(B, n_slots, generator=generator).argsort(-1)[:, :n].sort(-1).values
+            first = (length - Q) - 2 * n_slots + 2 * slots  # [B, n] key positions
+            seq.scatter_(1, first, keys)
+            seq.scatter_(1, first + 1, vals)
+        seq[:, length - Q:] = keys.gather(1, which)
+        targets = vals.gather(1, which)
+        return Batch(seq, targets[:, 0] if Q == 1 else targets)
+
+    def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """out: [B, P, V] at ``loss_positions``; targets [B] (one query) or [B, Q]."""
+        if targets.dim() == 1:
+            return F.cross_entropy(out[:, -1], targets)
+        if out.shape[1] == 1:  # several queries, loss on the last
+            return F.cross_entropy(out[:, -1], targets[:, -1])
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+
+    def score(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        last = targets if targets.dim() == 1 else targets[:, -1]
+        return (out[:, -1].argmax(-1) == last).float().mean()
 
 
 class Markov(_TokenTask):
@@ -178,12 +254,52 @@ class Markov(_TokenTask):
             seq[rows, tt + 1] = succ[rows, seq[rows, tt]]
             body = seq[:, : length - 1]
             ok = body[:, 1:] == succ.gather(1, body[:, :-1])
-        # a is uniform over the *distinct* tokens with such an occurrence: picking an occurrence
-        # instead favours frequent tokens and leaks the answer to a most-frequent-token heuristic
-        cand = torch.zeros(B, V).scatter_add_(1, body[:, :-1], ok.float()) > 0
-        a = torch.where(cand, torch.rand(B, V, generator=generator), torch.full((B, V), -1.0)).argmax(1)
+        if c.query == "distinct":
+            # a is uniform over the *distinct* tokens with such an occurrence: picking an occurrence
+            # instead favours frequent tokens and leaks the answer to a most-frequent-token heuristic
+            cand = torch.zeros(B, V).scatter_add_(1, body[:, :-1], ok.float()) > 0
+            a = torch.where(cand, torch.rand(B, V, generator=generator), torch.full((B, V), -1.0)).argmax(1)
+        else:  # uniform over the occurrences t with body[t+1] == s(body[t])
+            t = torch.where(ok, torch.rand(B, length - 2, generator=generator), torch.full((B, length - 2), -1.0)).argmax(1)
+            a = body.gather(1, t[:, None])[:, 0]
         seq[:, -1] = a
-        return Batch(seq, succ.gather(1, a[:, None])[:, 0])
+        target = succ.gather(1, a[:, None])[:, 0]
+        if c.loss_on == "final":
+            return Batch(seq, target)
+        return Batch(seq, self._determined_targets(seq, succ, target))
+
+    @staticmethod
+    def _determined_targets(seq: torch.Tensor, succ: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+        """[B, T] next-token targets where the successor is determined by the context, -100 elsewhere:
+        position t < T-1 carries x_{t+1} when x_{t+1} = s(x_t) and x_t occurred at some u < t with
+        x_{u+1} = s(x_u) (so the pair was shown before t). The final position carries ``final``."""
+        B, T = seq.shape
+        nxt = succ.gather(1, seq[:, :-1])  # s(x_t) for t < T-1
+        follow = seq[:, 1:] == nxt  # [B, T-1]
+        # seen[b, t]: some u < t has x_u = x_t and a followed transition; shown[u] holds for u+1 <= t
+        same = seq[:, :-1, None] == seq[:, None, :-1]  # [B, t, u]
+        earlier = torch.ones(T - 1, T - 1, dtype=torch.bool).tril(-1)  # u < t
+        seen = (same & earlier & follow[:, None, :]).any(-1)
+        targets = torch.full((B, T), -100, dtype=torch.long)
+        det = follow & seen
+        targets[:, :-1] = torch.where(det, seq[:, 1:], targets[:, :-1])
+        targets[:, -1] = final
+        return targets
+
+    def loss_positions(self, length: int) -> torch.Tensor:
+        if self.cfg.loss_on == "determined":
+            return torch.arange(length)
+        return torch.tensor([length - 1])
+
+    def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """out: [B, P, V]; targets [B] (final only) or [B, T] with -100 where not determined."""
+        if targets.dim() == 1:
+            return F.cross_entropy(out[:, -1], targets)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+    def score(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        last = targets if targets.dim() == 1 else targets[:, -1]
+        return (out[:, -1].argmax(-1) == last).float().mean()
 
     @cached_property
     def _chances(self) -> dict[int, float]:
@@ -197,8 +313,9 @@ class Markov(_TokenTask):
         if length not in self._chances:
             b = self.sample(8192, length, torch.Generator().manual_seed(0))
             counts = F.one_hot(b.inputs[:, :-1], self.cfg.vocab).sum(1)  # [B, V]
+            target = b.targets if b.targets.dim() == 1 else b.targets[:, -1]
             guess_seen = (1.0 / (counts > 0).sum(1).float()).mean()
-            most_frequent = (counts.argmax(1) == b.targets).float().mean()
+            most_frequent = (counts.argmax(1) == target).float().mean()
             self._chances[length] = float(max(guess_seen, most_frequent))
         return self._chances[length]
 
@@ -221,7 +338,12 @@ class LinearICL(Task):
         return 3
 
     def n_points(self, length: int) -> int:
-        return (length - 1) // 2
+        fit = (length - 1) // 2
+        if self.cfg.n_points is None:
+            return fit
+        if self.cfg.n_points > fit:
+            raise ValueError(f"linear_icl n_points={self.cfg.n_points} does not fit in length {length} (max {fit})")
+        return self.cfg.n_points
 
     def loss_positions(self, length: int) -> torch.Tensor:
         n = self.n_points(length)

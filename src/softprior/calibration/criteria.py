@@ -1,0 +1,234 @@
+"""Difficulty criteria and the paper's claims, declared as data.
+
+Only the paper's *difficulty rows* (unforced and forced_zero: how hard the task is with and without
+the prior) may choose a calibration (SPEC section 8; issue 14). They are ``Criterion`` objects: a
+row (a path, plus a task override such as Markov's p), which accuracy is read (the model's own gates,
+"normal", or every gate forced to 0, "zero"), a statistic over seeds ("mean" or "each" seed), and a
+bound (``target`` +- ``tol``, or ``lo`` / ``hi``), optionally measured relative to the task's
+order-free chance level (``vs_chance``).
+
+Every other row is a prediction. A ``Claim`` states one of the paper's claims as a predicate over
+prediction and difficulty rows (conditions joined by "and"); the robustness map counts in how many
+passing configurations each claim holds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["Row", "Criterion", "Condition", "Claim", "DIFFICULTY", "CLAIMS", "criteria_for", "claims_for",
+           "difficulty_rows", "CriterionResult"]
+
+
+class Row(BaseModel):
+    """One trained row of a candidate: a path name plus task options that differ between rows."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    task: dict = Field(default_factory=dict, description="task options of this row (e.g. Markov's p)")
+
+    @property
+    def key(self) -> str:
+        return self.path + (" " + ",".join(f"{k}={v}" for k, v in sorted(self.task.items())) if self.task else "")
+
+    def __hash__(self):
+        return hash(self.key)
+
+
+class Criterion(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    row: Row
+    gates: Literal["normal", "zero"]
+    stat: Literal["mean", "each"] = "mean"
+    target: float | None = None
+    tol: float | None = None
+    lo: float | None = None
+    hi: float | None = None
+    vs_chance: bool = Field(False, description="measure the value minus the task's (order-free) chance level")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.target is None) != (self.tol is None):
+            raise ValueError(f"criterion {self.name!r}: target and tol go together")
+        if self.target is None and self.lo is None and self.hi is None:
+            raise ValueError(f"criterion {self.name!r}: needs target+tol, lo or hi")
+        return self
+
+    def bounds(self) -> tuple[float, float]:
+        lo, hi = -math.inf, math.inf
+        if self.target is not None:
+            lo, hi = self.target - self.tol, self.target + self.tol
+        if self.lo is not None:
+            lo = max(lo, self.lo)
+        if self.hi is not None:
+            hi = min(hi, self.hi)
+        return lo, hi
+
+    def check(self, values: list[float], chance: float = 0.0) -> "CriterionResult":
+        """``values``: one per seed. Returns whether it holds, and its gap: |mean - target| for a
+        target criterion, else the total distance of the checked points outside the bounds."""
+        xs = [v - chance if self.vs_chance else v for v in values]
+        lo, hi = self.bounds()
+        pts = xs if self.stat == "each" else [sum(xs) / len(xs)]
+        outside = sum(max(lo - x, 0.0, x - hi) for x in pts)
+        mean = sum(xs) / len(xs)
+        # target criteria: the distance from the target; bound criteria: how far outside the bounds
+        gap = abs(mean - self.target) if self.target is not None and self.stat == "mean" else outside
+        return CriterionResult(self.name, outside == 0.0, gap, mean)
+
+    def describe(self) -> str:
+        what = f"{self.row.key} {self.gates}" + (" - chance" if self.vs_chance else "")
+        who = "every seed" if self.stat == "each" else "mean"
+        if self.target is not None:
+            b = f"within {self.tol:g} of {self.target:g}"
+            if self.lo is not None or self.hi is not None:
+                b += f", in [{self.lo if self.lo is not None else '-inf'}, {self.hi if self.hi is not None else 'inf'}]"
+        elif self.lo is not None and self.hi is not None:
+            b = f"in [{self.lo:g}, {self.hi:g}]"
+        elif self.lo is not None:
+            b = f">= {self.lo:g}"
+        else:
+            b = f"<= {self.hi:g}"
+        return f"{what} ({who}) {b}"
+
+
+class CriterionResult:
+    __slots__ = ("name", "ok", "gap", "mean")
+
+    def __init__(self, name, ok, gap, mean):
+        self.name, self.ok, self.gap, self.mean = name, ok, gap, mean
+
+
+def _row(path, **task):
+    return Row(path=path, task=task)
+
+
+_U, _F = _row("unforced"), _row("forced_zero")
+DIFFICULTY: dict[str, list[Criterion]] = {
+    # paper Table 1, base model: unforced .780±.007 normal / .100±.006 zero; forced_zero .094±.013 zero
+    "assoc_recall": [
+        Criterion(name="unforced normal", row=_U, gates="normal", target=0.780, tol=0.05),
+        Criterion(name="unforced normal per seed", row=_U, gates="normal", stat="each", lo=0.70, hi=0.86),
+        Criterion(name="unforced zero", row=_U, gates="zero", target=0.100, tol=0.05),
+        Criterion(name="unforced zero per seed", row=_U, gates="zero", stat="each", hi=0.16),
+        Criterion(name="forced_zero zero", row=_F, gates="zero", target=0.094, tol=0.05),
+        Criterion(name="forced_zero zero per seed", row=_F, gates="zero", stat="each", hi=0.16),
+    ],
+    # issue 14: with the prior the task is learned (>= .30 above the order-free baseline at p=0.8,
+    # clearly above it, which we declare as >= .10, at p=0.2); forced_zero within .05 of the baseline
+    "markov": [
+        Criterion(name="unforced normal p=0.8", row=_row("unforced", p=0.8), gates="normal", lo=0.30, vs_chance=True),
+        Criterion(name="unforced normal p=0.2", row=_row("unforced", p=0.2), gates="normal", lo=0.10, vs_chance=True),
+        *[Criterion(name=f"forced_zero zero p={p}", row=_row("forced_zero", p=p), gates="zero", target=0.0, tol=0.05,
+                    vs_chance=True) for p in (0.2, 0.5, 0.8)],
+    ],
+    # the boundary case: zero-gate training learns the task directly. "Well below the zero
+    # predictor" (query MSE/d = 1) is declared as <= .2; least squares (0 once n >= d) is reported beside.
+    "linear_icl": [
+        Criterion(name="forced_zero learns", row=_F, gates="zero", hi=0.2),
+    ],
+}
+
+
+class Condition(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    row: Row
+    gates: Literal["normal", "zero"] = "zero"
+    op: Literal[">=", "<="]
+    value: float | None = None
+    other: Row | None = Field(None, description="compare with this row's mean (plus ``value`` as a margin)")
+
+    def holds(self, means: dict[str, float]) -> bool | None:
+        x = means.get(f"{self.row.key}|{self.gates}")
+        if x is None:
+            return None
+        ref = self.value or 0.0
+        if self.other is not None:
+            y = means.get(f"{self.other.key}|{self.gates}")
+            if y is None:
+                return None
+            ref += y
+        return x >= ref if self.op == ">=" else x <= ref
+
+    def describe(self) -> str:
+        rhs = f"{self.other.key} {self.gates}" + (f" {self.value:+g}" if self.value else "") if self.other else f"{self.value:g}"
+        return f"{self.row.key} {self.gates} {self.op} {rhs}"
+
+
+class Claim(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    statement: str
+    task: str
+    conditions: tuple[Condition, ...]
+
+    def rows(self) -> list[Row]:
+        out = []
+        for c in self.conditions:
+            for r in (c.row, c.other):
+                if r is not None and r not in out:
+                    out.append(r)
+        return out
+
+    def holds(self, means: dict[str, float]) -> bool | None:
+        res = [c.holds(means) for c in self.conditions]
+        return None if None in res else all(res)
+
+    def describe(self) -> str:
+        return " and ".join(c.describe() for c in self.conditions)
+
+
+def _c(row, op, value=None, gates="zero", other=None):
+    return Condition(row=row, op=op, value=value, gates=gates, other=other)
+
+
+_FADE, _HS, _PH, _LIN = _row("fade600"), _row("hard_switch1050"), _row("posthoc"), _row("linear0.5->0")
+CLAIMS: list[Claim] = [
+    Claim(name="fade keeps", task="assoc_recall",
+          statement="a smooth fade to zero keeps zero-gate accuracy high while unforced collapses at zero gate",
+          conditions=(_c(_FADE, ">=", 0.6), _c(_U, "<=", 0.15))),
+    Claim(name="forced_zero fails", task="assoc_recall",
+          statement="zero-gate training from scratch does not learn the task (fade600 beats it by .3)",
+          conditions=(_c(_FADE, ">=", 0.3, other=_F),)),
+    Claim(name="hard switch loses", task="assoc_recall",
+          statement="an abrupt switch at step 1,050 keeps much less than the fade (paper .293 vs .734)",
+          conditions=(_c(_HS, "<=", -0.2, other=_FADE),)),
+    Claim(name="posthoc fails", task="assoc_recall",
+          statement="post hoc zero-gate continuation of an unforced model does not recover (paper .178)",
+          conditions=(_c(_PH, "<=", 0.3), _c(_PH, "<=", -0.2, other=_FADE))),
+    Claim(name="linear fade keeps", task="assoc_recall",
+          statement="a linear anneal 0.5->0 keeps zero-gate accuracy high (paper .617)",
+          conditions=(_c(_LIN, ">=", 0.5),)),
+    *[Claim(name=f"markov fade p={p}", task="markov",
+            statement=f"Markov induction at p={p}: the fade keeps a zero-gate circuit that forced_zero lacks",
+            conditions=(_c(_row("fade600", p=p), ">=", 0.1, other=_row("forced_zero", p=p)),))
+      for p in (0.2, 0.5, 0.8)],
+]
+
+
+def criteria_for(task: str) -> list[Criterion]:
+    return DIFFICULTY[task]
+
+
+def claims_for(task: str) -> list[Claim]:
+    return [c for c in CLAIMS if c.task == task]
+
+
+def difficulty_rows(task: str) -> list[Row]:
+    out: list[Row] = []
+    for c in DIFFICULTY[task]:
+        if c.row not in out:
+            out.append(c.row)
+    return out
+
+
+def _canon(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,98 @@
+"""Pre-registering a search's choice, and the generated blocks of ``docs/CALIBRATION.md``."""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+
+from .criteria import criteria_for
+from .record import calibration_key, make_record, save_record
+from .report import candidates_table, choose, criteria_text
+from .robustness import claim_counts, mapped, prediction_rows
+from .search import candidate_configs
+
+__all__ = ["register", "update_doc"]
+
+
+def _nearest(cands):
+    ok = [c for c in cands if c.status in ("fails", "pruned") and not math.isnan(c.distance)]
+    return min(ok, key=lambda c: (c.status != "fails", c.distance)) if ok else None
+
+
+def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
+    """Write the choice (``report.choose``; if no candidate passes, the nearest, marked as failing)
+    to the store, and refuse if a prediction row of it was trained before."""
+    c = choose(cands)
+    passes = c is not None
+    if c is None:
+        c = _nearest(cands)
+        if c is None:
+            raise ValueError(f"search {space.name!r} has no measured candidate to register")
+    pred = candidate_configs(space, c.task_options, c.model_options, range(space.seeds),
+                             rows=prediction_rows(space.task), steps=steps)
+    early = [cfg.run_id for _, _, cfg in pred if store.status(cfg.run_id) is not None]
+    if early:
+        raise ValueError(f"cannot pre-register candidate #{c.number}: prediction row {early[0]} of it was "
+                         "trained before its calibration record")
+    keys = []
+    for model in ("base", "large"):
+        sp = space.model_copy(update={"model": model})
+        keys += [calibration_key(cfg) for _, _, cfg in candidate_configs(sp, c.task_options, c.model_options, [0],
+                                                                          rows=prediction_rows(space.task))]
+    measured = {r.name: c.means.get(f"{r.row.key}|{r.gates}") for r in criteria_for(space.task)}
+    measured["per_seed"] = c.values
+    measured["distance"] = c.distance
+    measured["formation"] = c.formation
+    rec = make_record(space, c.task_options, c.model_options, keys, measured, passes,
+                      note=f"candidate #{c.number} of study {space.name}-{space.digest}")
+    save_record(store.root, rec)
+    if ship:
+        dest = Path(str(resources.files("softprior.calibration") / "registered")) / f"{space.task}.json"
+        dest.write_text(json.dumps(rec, indent=1, sort_keys=True))
+    if doc:
+        from ..report import splice_into_doc
+        splice_into_doc(doc, f"calibration-record-{space.task}", _record_md(rec))
+    return rec
+
+
+def _record_md(rec: dict) -> str:
+    lines = [f"**Pre-registered {rec['task']} calibration** `{rec['hash']}`, registered {rec['registered_at']} "
+             f"({'passes every criterion' if rec['passes'] else 'NO candidate passes: this is the nearest'}; "
+             f"{rec['note']}).", "",
+             f"- task options: `{json.dumps(rec['task_options'], sort_keys=True)}`",
+             f"- model options: `{json.dumps(rec['model_options'], sort_keys=True)}`",
+             "- measured: " + ", ".join(f"{k} {v:.3f}" for k, v in rec["measured"].items()
+                                        if isinstance(v, float))]
+    return "\n".join(lines)
+
+
+def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
+    from ..report import splice_into_doc
+    n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible")}
+    head = [f"Search space `{space.name}` (digest `{space.digest}`, sampler {space.sampler}, "
+            f"{space.first_seeds} then {space.seeds} seeds): {len(cands)} candidates measured: "
+            + ", ".join(f"{v} {k}" for k, v in n.items()) + ".", "", "Criteria (the only calibration targets):", "",
+            criteria_text(space.task), "", "Axes: " + "; ".join(f"`{k}` {v}" for k, v in space.axes.items()), ""]
+    splice_into_doc(doc, f"calibration-{space.name}", "\n".join(head) + "\n" + candidates_table(
+        space, cands, _fades(space, store, cands, steps)))
+    counts = claim_counts(space, store, cands, steps=steps)
+    m = mapped(cands)
+    passing = [c for c in cands if c.status == "passes"]
+    lines = [f"Mapped configurations: {len(m)} ({'the passing ones' if passing else 'NO candidate passes: the nearest'}"
+             f"{', nearest ten' if len(passing) > 10 else ''}); rows {', '.join(r.key for r in prediction_rows(space.task))} "
+             f"at {space.seeds} seeds.", "", "| claim | predicate | holds in | of measured | per configuration |",
+             "|---|---|---|---|---|"]
+    for cl, yes, tot, res in counts:
+        per = ", ".join(f"#{c.number}:{'y' if r else ('n' if r is False else '?')}" for c, r in res)
+        lines.append(f"| {cl.statement} | {cl.describe()} | {yes} | {tot} | {per} |")
+    if figure:
+        lines += ["", f"![candidates]({Path(figure).as_posix()})"]
+    splice_into_doc(doc, f"robustness-{space.name}", "\n".join(lines))
+
+
+def _fades(space, store, cands, steps):
+    from .robustness import fade_points
+    f = fade_points(space, store, cands, steps=steps)
+    return f or None

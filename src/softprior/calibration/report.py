@@ -1,0 +1,87 @@
+"""Tables and the figure of a calibration search, and the generated ``docs/CALIBRATION.md`` blocks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .criteria import criteria_for, difficulty_rows
+
+__all__ = ["candidates_table", "write_outputs", "choose"]
+
+
+def _fmt(x, nd=3):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def choose(cands):
+    """The pre-registered choice: the passing candidate nearest to the difficulty rows (smallest
+    distance); if none passes, None (and the nearest candidates are reported instead)."""
+    passing = sorted([c for c in cands if c.status == "passes"], key=lambda c: c.distance)
+    return passing[0] if passing else None
+
+
+def candidates_table(space, cands, fade: dict | None = None) -> str:
+    """Markdown: one line per candidate, the difficulty rows' per-seed values, distance and status."""
+    rows = difficulty_rows(space.task)
+    cols = [(r, g) for r in rows for g in ("normal", "zero")]
+    head = ["#", "candidate (axes)", "status", "distance"] + [f"{r.key} {g}" for r, g in cols] + ["circuit forms at (unforced)"]
+    if fade is not None:
+        head.append("fade600 zero (seed 0)")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in sorted(cands, key=lambda c: (c.status == "infeasible", c.distance if not math.isnan(c.distance) else 9e9)):
+        cells = [str(c.number), c.label, c.status + (f" ({c.error[:60]})" if c.error else ""), _fmt(c.distance)]
+        for r, g in cols:
+            v = c.values.get(f"{r.key}|{g}")
+            cells.append(" / ".join(f"{x:.2f}" for x in v) if v else "-")
+        cells.append(", ".join("never" if s is None else str(s) for s in c.formation) or "-")
+        if fade is not None:
+            cells.append(_fmt(fade.get(c.number)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def figure(space, cands, fade: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for status, style in (("passes", dict(c="tab:green", marker="o", s=50, label="passes")),
+                          ("fails", dict(c="tab:orange", marker="s", s=25, label="fails (3 seeds)")),
+                          ("pruned", dict(c="tab:gray", marker="x", s=20, label="pruned after 1 seed"))):
+        pts = [(c.distance, fade[c.number]) for c in cands if c.status == status and c.number in fade
+               and not math.isnan(c.distance)]
+        if pts:
+            ax.scatter(*zip(*pts), **style)
+    ax.set_xlabel("difficulty distance (sum of criterion gaps; 0 = on the paper's rows)")
+    ax.set_ylabel("fade600->0 zero-gate (seed 0)")
+    ax.set_title(f"calibration candidates: {space.name}")
+    ax.set_xscale("symlog", linthresh=0.1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(space, cands, out: Path, fade: dict | None = None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    table = candidates_table(space, cands, fade)
+    (out / "candidates.md").write_text(table + "\n")
+    rows = []
+    for c in cands:
+        rows.append({"number": c.number, "status": c.status, "distance": c.distance, "n_seeds": c.n_seeds,
+                     "task_options": c.task_options, "model_options": {k: list(v) if isinstance(v, tuple) else v
+                                                                        for k, v in c.model_options.items()},
+                     "means": c.means, "values": c.values, "formation": c.formation, "error": c.error})
+    (out / "candidates.json").write_text(json.dumps(rows, indent=1, sort_keys=True))
+    files = {"table": out / "candidates.md", "json": out / "candidates.json"}
+    if fade:
+        figure(space, cands, fade, out / "candidates.png")
+        files["figure"] = out / "candidates.png"
+    return files
+
+
+def criteria_text(task: str) -> str:
+    return "\n".join(f"- {c.name}: {c.describe()}" for c in criteria_for(task))

@@ -1,0 +1,265 @@
+"""The calibration search (issue 14): Optuna proposes candidates, the project's executors train them.
+
+Each Optuna trial is one candidate (task design + initialisation, see ``space.py``). A candidate is
+measured on the difficulty rows of its task (``criteria.difficulty_rows``) first on
+``space.first_seeds`` seeds, then, if promising, on ``space.seeds`` seeds (successive halving over
+seed counts). The promotion rule is declared, not tuned: every per-seed ("each") criterion holds on
+the first seeds, and every mean criterion lies within twice its tolerance (bound-only criteria: within
+0.1). ``PromotionPruner`` applies it through Optuna's pruning interface.
+
+Trials are asked in batches; all their runs go through ``executors.execute`` in one call, so
+grouping, worker processes, Ray and resume-after-kill work as for any sweep. Optuna's study lives in
+SQLite beside the run store (``STORE/optuna.sqlite3``); a trial left RUNNING by a killed process is
+re-enqueued with the same parameters (its runs are already stored or are retrained), so a search
+resumes where it stopped. The objective is the difficulty distance (``Criterion.check``); a candidate
+*passes* when every criterion holds on ``space.seeds`` seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from ..config import make_run_config
+from .criteria import Criterion, Row, criteria_for, difficulty_rows
+from .space import SearchSpace
+
+__all__ = ["Candidate", "run_search", "load_candidates", "candidate_configs", "measure", "PromotionPruner",
+           "formation_step", "study_name"]
+
+
+@dataclass
+class Candidate:
+    number: int
+    params: dict
+    task_options: dict
+    model_options: dict
+    status: str  # passes | fails | pruned | infeasible | running
+    distance: float = math.nan
+    n_seeds: int = 0
+    means: dict = field(default_factory=dict)  # "row|gates" -> mean
+    values: dict = field(default_factory=dict)  # "row|gates" -> per-seed list
+    checks: dict = field(default_factory=dict)  # criterion name -> ok
+    formation: list = field(default_factory=list)  # unforced: first step normal acc > .5, per seed
+    error: str = ""
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{k.split('.', 1)[1]}={json.loads(v)}" for k, v in sorted(self.params.items()))
+
+
+def study_name(space: SearchSpace) -> str:
+    return f"{space.name}-{space.digest}"
+
+
+def candidate_configs(space: SearchSpace, t_opts: dict, m_opts: dict, seeds, rows: list[Row] | None = None,
+                      steps: int | None = None):
+    """Run configs of a candidate's rows at ``seeds`` (raises ValueError / ValidationError if infeasible)."""
+    out = []
+    for row in rows or difficulty_rows(space.task):
+        for s in seeds:
+            out.append((row, s, make_run_config(space.task, row.path, s, model=space.model, steps=steps,
+                                                task_options={**t_opts, **row.task}, model_options=m_opts)))
+    return out
+
+
+def formation_step(metrics: list[dict], metric: str = "acc", level: float = 0.5) -> int | None:
+    """The first evaluated step at which normal accuracy exceeds ``level`` (a diagnostic, never a target)."""
+    for r in metrics:
+        if r.get(f"normal_{metric}", 0.0) > level:
+            return int(r["step"])
+    return None
+
+
+def measure(space: SearchSpace, store, t_opts: dict, m_opts: dict, seeds, steps: int | None = None):
+    """Criterion results of a candidate from the stored runs: (results, means, values, formation)."""
+    crit = criteria_for(space.task)
+    values, chances, formation = {}, {}, []
+    for row, s, cfg in candidate_configs(space, t_opts, m_opts, seeds, steps=steps):
+        sm = store.summary(cfg.run_id)
+        m = sm["metric"]
+        for g in ("normal", "zero"):
+            values.setdefault(f"{row.key}|{g}", []).append(sm[f"{g}_{m}"])
+        chances[row.key] = sm["chance"]
+        if row.path == "unforced" and m == "acc" and not row.task:
+            formation.append(formation_step(store.metrics(cfg.run_id)))
+    results = [c.check(values[f"{c.row.key}|{c.gates}"], chances[c.row.key]) for c in crit]
+    means = {k: sum(v) / len(v) for k, v in values.items()}
+    return results, means, values, formation
+
+
+def promising(crit: list[Criterion], results) -> bool:
+    """The declared promotion rule (module docstring)."""
+    for c, r in zip(crit, results):
+        if c.stat == "each" and not r.ok:
+            return False
+        if c.stat == "mean":
+            slack = c.tol if c.tol is not None else 0.1
+            lo, hi = c.bounds()
+            x = r.mean
+            if x < lo - slack or x > hi + slack:
+                return False
+    return True
+
+
+def _pruner():
+    import optuna
+
+    class PromotionPruner(optuna.pruners.BasePruner):
+        """Prunes a trial whose first-seed measurement is not promising (``promising``)."""
+
+        def prune(self, study, trial) -> bool:
+            return not trial.user_attrs.get("promote", True)
+
+    return PromotionPruner()
+
+
+PromotionPruner = None  # built lazily (optuna is imported only when a search runs)
+
+
+def _sampler(space: SearchSpace):
+    import optuna
+    if space.sampler in ("grid", "random"):  # grid: every point is enqueued (``_enqueue_grid``)
+        return optuna.samplers.RandomSampler(seed=space.sampler_seed)
+    return optuna.samplers.TPESampler(seed=space.sampler_seed, n_startup_trials=20, multivariate=True,
+                                      constant_liar=True)
+
+
+def _enqueue_grid(study, space: SearchSpace) -> None:
+    """Grid search through Optuna's trial queue: every point of the grid, in a seeded random order
+    (Optuna's GridSampler stops the study from inside ``tell``, which the ask/tell loop cannot use)."""
+    import itertools
+    import random
+    keys = list(space.axes)
+    points = [dict(zip(keys, combo)) for combo in itertools.product(*(space.labels(k) for k in keys))]
+    random.Random(space.sampler_seed).shuffle(points)
+    for p in points:
+        study.enqueue_trial(p)
+
+
+def _study(space: SearchSpace, store, create: bool = True):
+    import optuna
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = f"sqlite:///{(store.root / 'optuna.sqlite3').resolve()}"
+    if not create:
+        return optuna.load_study(study_name=study_name(space), storage=storage)
+    return optuna.create_study(study_name=study_name(space), storage=storage, load_if_exists=True,
+                               direction="minimize", sampler=_sampler(space), pruner=_pruner())
+
+
+def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local", workers: int = 1,
+               group_size: int = 6, batch: int = 4, progress: bool = True, address: str | None = None,
+               steps: int | None = None, log=print) -> list[Candidate]:
+    """Measure up to ``budget`` candidates in total (a resumed search counts those already measured)."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState
+
+    from ..executors import execute
+
+    study = _study(space, store)
+    if space.sampler == "grid" and not study.get_trials(deepcopy=False):
+        _enqueue_grid(study, space)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):  # left by a killed process
+        study.enqueue_trial(t.params)
+        study.tell(t.number, state=TrialState.FAIL)
+    dists = {k: CategoricalDistribution(space.labels(k)) for k in space.axes}
+    crit = criteria_for(space.task)
+    first, full = list(range(space.first_seeds)), list(range(space.seeds))
+
+    def n_measured():
+        return sum(1 for t in study.get_trials(deepcopy=False)
+                   if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+                   or (t.state == TrialState.FAIL and "infeasible" in t.user_attrs))
+
+    def run(cfgs):
+        if cfgs:
+            rep = execute(cfgs, store, executor=executor, workers=workers, group_size=group_size, address=address,
+                          progress=progress, sweep_bar=progress, require_calibration=False)
+            if rep.failed:
+                log(f"calibrate: {len(rep.failed)} run(s) failed: {rep.failed[0][1][:200]}")
+
+    while n_measured() < budget:
+        if space.sampler == "grid" and n_measured() >= space.grid_size():
+            log(f"calibrate: the grid of {space.grid_size()} candidates is complete")
+            break
+        trials = []
+        for _ in range(min(batch, budget - n_measured())):
+            tr = study.ask(dists)
+            t_opts, m_opts = space.options(tr.params)
+            try:
+                candidate_configs(space, t_opts, m_opts, full, steps=steps)
+            except ValueError as e:  # pydantic's ValidationError is a ValueError
+                msg = str(e).splitlines()[-1] if "\n" in str(e) else str(e)
+                tr.set_user_attr("infeasible", msg[:300])
+                study.tell(tr, state=TrialState.FAIL)
+                continue
+            trials.append((tr, t_opts, m_opts))
+        if not trials:
+            continue
+        run([c for _, t, m in trials for _, _, c in candidate_configs(space, t, m, first, steps=steps)])
+        promoted = []
+        for tr, t_opts, m_opts in trials:
+            res, means, values, form = measure(space, store, t_opts, m_opts, first, steps=steps)
+            dist = sum(r.gap for r in res)
+            tr.set_user_attr("promote", promising(crit, res))
+            tr.report(dist, step=len(first))
+            if space.seeds == space.first_seeds:
+                _finish(tr, res, means, values, form, len(first))
+                study.tell(tr, dist)
+            elif tr.should_prune():
+                _finish(tr, res, means, values, form, len(first))
+                study.tell(tr, state=TrialState.PRUNED)
+            else:
+                promoted.append((tr, t_opts, m_opts))
+        run([c for _, t, m in promoted for _, _, c in candidate_configs(space, t, m, full, steps=steps)])
+        for tr, t_opts, m_opts in promoted:
+            res, means, values, form = measure(space, store, t_opts, m_opts, full, steps=steps)
+            dist = sum(r.gap for r in res)
+            tr.report(dist, step=len(full))
+            _finish(tr, res, means, values, form, len(full))
+            study.tell(tr, dist)
+        log(f"calibrate {space.name}: {n_measured()}/{budget} candidates measured")
+    return load_candidates(space, store)
+
+
+def _finish(tr, res, means, values, form, n_seeds):
+    tr.set_user_attr("n_seeds", n_seeds)
+    tr.set_user_attr("checks", {r.name: r.ok for r in res})
+    tr.set_user_attr("means", means)
+    tr.set_user_attr("values", values)
+    tr.set_user_attr("formation", form)
+    tr.set_user_attr("passes", all(r.ok for r in res))
+
+
+def load_candidates(space: SearchSpace, store) -> list[Candidate]:
+    """Every measured candidate of the space's study, in trial order (duplicates of an earlier
+    parameter set, e.g. a re-enqueued trial, are listed once)."""
+    from optuna.trial import TrialState
+    try:
+        study = _study(space, store, create=False)
+    except KeyError:
+        return []
+    out, seen = [], set()
+    for t in study.get_trials(deepcopy=False):
+        key = json.dumps(t.params, sort_keys=True)
+        if t.state in (TrialState.RUNNING, TrialState.WAITING) or (
+                t.state == TrialState.FAIL and "infeasible" not in t.user_attrs):
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        t_opts, m_opts = space.options(t.params)
+        a = t.user_attrs
+        if t.state == TrialState.FAIL:
+            status = "infeasible"
+        elif t.state == TrialState.PRUNED:
+            status = "pruned"
+        else:
+            status = "passes" if a.get("passes") else "fails"
+        dist = t.value if t.value is not None else (t.intermediate_values.get(space.first_seeds, math.nan))
+        out.append(Candidate(t.number, dict(t.params), t_opts, m_opts, status, dist, a.get("n_seeds", 0),
+                             a.get("means", {}), a.get("values", {}), a.get("checks", {}), a.get("formation", []),
+                             a.get("infeasible", "")))
+    return out
