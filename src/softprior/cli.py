@@ -229,7 +229,7 @@ def cmd_calibrate(args) -> int:
     best = choose(cands)
     n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible")}
     print(f"{len(cands)} candidates: " + ", ".join(f"{v} {k}" for k, v in n.items())
-          + (f"; nearest passing: #{best.number} ({best.label}), distance {best.distance:.3f}" if best
+          + (f"; nearest passing: {best.cid} ({best.label}), distance {best.distance:.3f}" if best
              else "; no candidate passes every criterion") + f"; {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     print(f"wrote {', '.join(str(f) for f in files.values())}", file=sys.stderr)
     return 0

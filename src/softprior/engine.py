@@ -43,11 +43,21 @@ from .tasks import make_task
 __all__ = ["train_group", "group_key"]
 
 
+# initialisation-only model fields: read by the model's constructor (each run builds its own model
+# from its own config), never by the fast forward, so runs that differ only in them can share a group
+INIT_ONLY = ("embed_init_std", "content_init_std", "prior_init", "prior_layers", "prior_scale", "prior_cap",
+             "gate_logit_init")
+
+
 def group_key(cfg: RunConfig) -> str:
-    """Configs with equal keys can share a group."""
+    """Configs with equal keys can share a group: they differ only in path, seed, gradient clipping
+    and (on the fast path) initialisation."""
     d = cfg.canonical()
     for k in ("path", "seed", "grad_clip"):
         d.pop(k, None)
+    if fastpath.supports(cfg.model):
+        for k in INIT_ONLY:
+            d["model"].pop(k, None)
     d["total_steps"] = cfg.total_steps
     d["has_parent"] = cfg.path.parent is not None
     import json
@@ -64,7 +74,7 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
         return []
     keys = {group_key(c) for c in cfgs}
     if len(keys) != 1:
-        raise ValueError("train_group needs configs that differ only in path, seed and grad_clip")
+        raise ValueError("train_group needs configs that differ only in path, seed, grad_clip and initialisation")
     t0 = time.perf_counter()
     prepare_training()
     dev = torch.device(device or os.environ.get("SOFTPRIOR_DEVICE") or "cpu")

@@ -34,7 +34,7 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
                              rows=prediction_rows(space.task), steps=steps)
     early = [cfg.run_id for _, _, cfg in pred if store.status(cfg.run_id) is not None]
     if early:
-        raise ValueError(f"cannot pre-register candidate #{c.number}: prediction row {early[0]} of it was "
+        raise ValueError(f"cannot pre-register candidate {c.cid}: prediction row {early[0]} of it was "
                          "trained before its calibration record")
     keys = []
     for model in ("base", "large"):
@@ -46,7 +46,7 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
     measured["distance"] = c.distance
     measured["formation"] = c.formation
     rec = make_record(space, c.task_options, c.model_options, keys, measured, passes,
-                      note=f"candidate #{c.number} of study {space.name}-{space.digest}")
+                      note=f"candidate {c.cid} of study {space.name}-{space.digest}")
     save_record(store.root, rec)
     if ship:
         dest = Path(str(resources.files("softprior.calibration") / "registered")) / f"{space.task}.json"
@@ -85,7 +85,7 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
              f"at {space.seeds} seeds.", "", "| claim | predicate | holds in | of measured | per configuration |",
              "|---|---|---|---|---|"]
     for cl, yes, tot, res in counts:
-        per = ", ".join(f"#{c.number}:{'y' if r else ('n' if r is False else '?')}" for c, r in res)
+        per = ", ".join(f"{c.cid}:{'y' if r else ('n' if r is False else '?')}" for c, r in res)
         lines.append(f"| {cl.statement} | {cl.describe()} | {yes} | {tot} | {per} |")
     if figure:
         lines += ["", f"![candidates]({Path(figure).as_posix()})"]

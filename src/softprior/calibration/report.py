@@ -26,18 +26,18 @@ def candidates_table(space, cands, fade: dict | None = None) -> str:
     """Markdown: one line per candidate, the difficulty rows' per-seed values, distance and status."""
     rows = difficulty_rows(space.task)
     cols = [(r, g) for r in rows for g in ("normal", "zero")]
-    head = ["#", "candidate (axes)", "status", "distance"] + [f"{r.key} {g}" for r, g in cols] + ["circuit forms at (unforced)"]
+    head = ["id", "candidate (axes)", "status", "distance"] + [f"{r.key} {g}" for r, g in cols] + ["circuit forms at (unforced)"]
     if fade is not None:
         head.append("fade600 zero (seed 0)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in sorted(cands, key=lambda c: (c.status == "infeasible", c.distance if not math.isnan(c.distance) else 9e9)):
-        cells = [str(c.number), c.label, c.status + (f" ({c.error[:60]})" if c.error else ""), _fmt(c.distance)]
+    for c in sorted(cands, key=lambda c: (c.status == "infeasible", c.distance if not math.isnan(c.distance) else 9e9, c.cid)):
+        cells = [c.cid, c.label, c.status + (f" ({c.error[:60]})" if c.error else ""), _fmt(c.distance)]
         for r, g in cols:
             v = c.values.get(f"{r.key}|{g}")
             cells.append(" / ".join(f"{x:.2f}" for x in v) if v else "-")
         cells.append(", ".join("never" if s is None else str(s) for s in c.formation) or "-")
         if fade is not None:
-            cells.append(_fmt(fade.get(c.number)))
+            cells.append(_fmt(fade.get(c.cid)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -51,7 +51,7 @@ def figure(space, cands, fade: dict, path: Path) -> None:
     for status, style in (("passes", dict(c="tab:green", marker="o", s=50, label="passes")),
                           ("fails", dict(c="tab:orange", marker="s", s=25, label="fails (3 seeds)")),
                           ("pruned", dict(c="tab:gray", marker="x", s=20, label="pruned after 1 seed"))):
-        pts = [(c.distance, fade[c.number]) for c in cands if c.status == status and c.number in fade
+        pts = [(c.distance, fade[c.cid]) for c in cands if c.status == status and c.cid in fade
                and not math.isnan(c.distance)]
         if pts:
             ax.scatter(*zip(*pts), **style)
@@ -71,7 +71,7 @@ def write_outputs(space, cands, out: Path, fade: dict | None = None) -> dict:
     (out / "candidates.md").write_text(table + "\n")
     rows = []
     for c in cands:
-        rows.append({"number": c.number, "status": c.status, "distance": c.distance, "n_seeds": c.n_seeds,
+        rows.append({"id": c.cid, "trial": c.number, "status": c.status, "distance": c.distance, "n_seeds": c.n_seeds,
                      "task_options": c.task_options, "model_options": {k: list(v) if isinstance(v, tuple) else v
                                                                         for k, v in c.model_options.items()},
                      "means": c.means, "values": c.values, "formation": c.formation, "error": c.error})

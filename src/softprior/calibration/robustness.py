@@ -91,7 +91,7 @@ def claim_counts(space, store, cands, steps: int | None = None):
 
 
 def fade_points(space, store, cands, steps: int | None = None) -> dict[int, float]:
-    """Candidate number -> fade600 zero-gate metric at seed 0 (where trained)."""
+    """Candidate id -> fade600 zero-gate metric at seed 0 (where trained)."""
     out = {}
     for c in cands:
         if c.status == "infeasible":
@@ -100,5 +100,5 @@ def fade_points(space, store, cands, steps: int | None = None) -> dict[int, floa
                                          steps=steps)
         if store.is_done(cfg.run_id):
             sm = store.summary(cfg.run_id)
-            out[c.number] = sm[f"zero_{sm['metric']}"]
+            out[c.cid] = sm[f"zero_{sm['metric']}"]
     return out

@@ -45,6 +45,12 @@ class Candidate:
     error: str = ""
 
     @property
+    def cid(self) -> str:
+        """A stable id from the parameters (trial numbers change when a killed search is resumed)."""
+        import hashlib
+        return hashlib.sha256(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:6]
+
+    @property
     def label(self) -> str:
         return ", ".join(f"{k.split('.', 1)[1]}={json.loads(v)}" for k, v in sorted(self.params.items()))
 
