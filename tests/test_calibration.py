@@ -183,3 +183,47 @@ def test_search_killed_and_resumed_gives_the_same_table(tmp_path):
     assert (tmp_path / "out_b" / "candidates.md").read_text() == table
     rows = json.loads((tmp_path / "out_b" / "candidates.json").read_text())
     assert {r["status"] for r in rows} <= {"passes", "fails", "pruned", "infeasible"}
+
+
+# ------------------------------------------------------------------ provenance (issue 17)
+def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
+    import platform
+
+    import torch
+
+    import softprior
+    from softprior import load_results
+    from softprior.calibration.record import shipped_records
+    from softprior.runner import run
+    store = RunStore(tmp_path / "s")
+    s = run(make_run_config("assoc_recall", "fade600", 0, steps=4, eval_every=4, n_val=16), store)
+    assert s["softprior_version"] == softprior.__version__
+    assert s["torch_version"] == torch.__version__
+    assert s["threads"] >= 1 and s["cpu"] and s["python_version"] == platform.python_version()
+    assert s["calibration"] == shipped_records()["assoc_recall"]["hash"]
+    assert "git_commit" in s  # None outside a git checkout
+    df = load_results(store)
+    assert {"softprior_version", "git_commit", "torch_version", "cpu", "threads", "calibration"} <= set(df.columns)
+
+
+def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
+    from softprior.experiments import Cell
+    from softprior.report import provenance_note
+    from softprior.runner import run
+    store = RunStore(tmp_path / "s")
+    cfgs = [make_run_config("assoc_recall", "unforced", k, steps=4, eval_every=4, n_val=16) for k in (0, 1)]
+    for c in cfgs:
+        run(c, store)
+    cells = [Cell(c, row="unforced") for c in cfgs]
+    assert "Warning" not in provenance_note(store, cells)
+    # rewrite one run's recorded version, as an older engine would have left it
+    p = store.run_dir(cfgs[1].run_id) / "summary.json"
+    d = json.loads(p.read_text())
+    d["softprior_version"] = "0.0.9"
+    p.write_text(json.dumps(d))
+    import sqlite3
+    with sqlite3.connect(store.root / "index.sqlite") as db:
+        db.execute("UPDATE runs SET summary=? WHERE run_id=?", (json.dumps(d), cfgs[1].run_id))
+    note = provenance_note(store, cells)
+    assert "mixes 2 code versions" in note and "0.0.9@" in note
+    assert "warning" in capsys.readouterr().err

@@ -211,6 +211,30 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path) -> bo
     return True
 
 
+def provenance_note(store: RunStore, cells: list[Cell]) -> str:
+    """One line naming the code, torch, CPU and calibration record(s) behind a table, and a warning
+    when the table mixes code versions (runs recorded before provenance count as 'unrecorded')."""
+    import collections
+    import sys
+
+    from .provenance import code_version
+    ids = list(dict.fromkeys(c.cfg.run_id for c in cells))
+    done = [store.summary(r) for r in ids if store.is_done(r)]
+    if not done:
+        return ""
+    def count(key):
+        return collections.Counter(s.get(key) or "unrecorded" for s in done)
+    codes = collections.Counter(code_version(s) if "softprior_version" in s else "unrecorded" for s in done)
+    fmt = lambda c: ", ".join(f"{k} ({v})" for k, v in c.most_common())  # noqa: E731
+    line = (f"\n_Provenance of these {len(done)} runs: code {fmt(codes)}; torch {fmt(count('torch_version'))}; "
+            f"CPU {fmt(count('cpu'))}; calibration record {fmt(count('calibration'))}._\n")
+    if len(codes) > 1:
+        warn = f"**Warning: this table mixes {len(codes)} code versions** ({', '.join(codes)})."
+        print(f"softprior: warning: {warn.strip('*')}", file=sys.stderr)
+        line += "\n" + warn + "\n"
+    return line
+
+
 def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: str | Path) -> str:
     """Write table.md, table.csv, figure.png (and curves.png) for ``exp``; return the markdown."""
     out = Path(out_dir)
@@ -221,6 +245,7 @@ def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: s
     md = f"### {exp.name}\n\n{exp.description}\n\n" + markdown_table(agg, exp.paper)
     if missing:
         md += f"\n**{missing} of {len(cells)} runs are missing or failed** (see `softprior reproduce {exp.name}`).\n"
+    md += provenance_note(store, cells)
     agg.to_csv(out / "table.csv", index=False, float_format="%.6g")
     if not agg.empty:
         plot_bars(agg, f"{exp.name}: {exp.description}", out / "figure.png")

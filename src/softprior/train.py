@@ -31,6 +31,7 @@ from .config import RunConfig
 from .fastpath import model_forward
 from .model import SoftPriorTransformer
 from .optim import AdamW
+from .provenance import provenance
 from .runtime import prepare_training
 from .tasks import Task, make_task
 
@@ -197,7 +198,7 @@ def run_summary(cfg: RunConfig, task: Task, last: dict, steps: int, seconds: flo
             f"normal_{m}": last[f"normal_{m}"], f"zero_{m}": last[f"zero_{m}"],
             "normal_loss": last["normal_loss"], "zero_loss": last["zero_loss"], "chance": task.chance,
             "steps": steps, "seconds": seconds, "n_params": n_params,
-            "model_g_pos": last["model_g_pos"], "model_g_content": last["model_g_content"], **extra}
+            "model_g_pos": last["model_g_pos"], "model_g_content": last["model_g_content"], **provenance(), **extra}
 
 
 # ------------------------------------------------------------------------------- checkpoints

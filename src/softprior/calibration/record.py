@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["calibration_key", "make_record", "save_record", "store_records", "shipped_records",
+__all__ = ["covering_records", "calibration_key", "make_record", "save_record", "store_records", "shipped_records",
            "find_record", "check_calibrated", "CalibrationMissing", "DIFFICULTY_PATHS", "default_options"]
 
 DIFFICULTY_PATHS = {"unforced", "forced_zero"}
@@ -108,6 +108,16 @@ def find_record(cfg, records: Iterable[dict]) -> dict | None:
 def needs_record(cfg) -> bool:
     return (cfg.path.name not in DIFFICULTY_PATHS and cfg.model.prior and cfg.model.positional == "none"
             and cfg.task.name in ("assoc_recall", "markov", "linear_icl"))
+
+
+def covering_records(cfgs, root: str | Path) -> dict[str, str | None]:
+    """Run id -> hash of the calibration record covering its configuration (None if none does)."""
+    records = [*shipped_records().values(), *store_records(root)]
+    out = {}
+    for c in cfgs:
+        rec = find_record(c, records)
+        out[c.run_id] = rec["hash"] if rec else None
+    return out
 
 
 def check_calibrated(cfgs, root: str | Path) -> dict[str, str]:

@@ -1,0 +1,59 @@
+"""What produced a run: package version, git commit, torch, CPU and threads (issue 17).
+
+Recorded in every run summary by the process that trains it (so a Ray worker records its own
+machine), and read back by ``load_results`` and ``report``, which warns when one table mixes code
+versions. The calibration record a run was trained under is added by the sweep driver."""
+
+from __future__ import annotations
+
+import functools
+import platform
+import subprocess
+from pathlib import Path
+
+__all__ = ["provenance", "code_version"]
+
+
+@functools.lru_cache(maxsize=1)
+def _static() -> dict:
+    import torch
+
+    from . import __version__
+    return {"softprior_version": __version__, "git_commit": _git_commit(), "torch_version": torch.__version__,
+            "cpu": _cpu_model(), "python_version": platform.python_version()}
+
+
+def provenance() -> dict:
+    import torch
+    return {**_static(), "threads": torch.get_num_threads()}
+
+
+def code_version(summary: dict) -> str:
+    """The code that produced a summary, as one label (``version@commit``; '?' where unrecorded)."""
+    return f"{summary.get('softprior_version', '?')}@{summary.get('git_commit') or '?'}"
+
+
+def _git_commit() -> str | None:
+    """HEAD of the checkout the package is imported from, '+dirty' if it has uncommitted changes to
+    tracked files; None when it is not a git checkout (an installed wheel)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=5)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", str(here)], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
