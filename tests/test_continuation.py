@@ -212,3 +212,66 @@ def test_removal_step_and_path_gates():
     logits = torch.zeros(2, 1, 1)
     logits[0] = math.log(3.0)  # sigmoid = 3/4
     assert C.path_gates(get_path("unforced"), 10, 20, {"gate_logits": logits}) == pytest.approx((0.75, 0.5))
+
+
+# ------------------------------------------------------------------------------------ traces and the experiment
+def test_trace_on_a_fade_tracks_only_where_the_gate_moves():
+    from softprior.train import train
+    cfg = make_run_config("assoc_recall", "fade10", steps=30, snapshot_every=10, eval_every=10, n_val=32,
+                          batch_size=16)
+    res = train(cfg)
+    df = C.continuation_trace(res.snapshots, cfg, [(0, 0), (1, 3)], n_examples=32, max_iter=5)
+    assert list(df["step"]) == [0, 10, 20, 30]
+    # fade10: 0.5 until step 10, then 0.5 (1 - (s - 10)/450): the gate is flat over 0..10, moves after
+    assert list(df["g_pos"]) == pytest.approx([0.5, 0.5, 0.5 * (1 - 10 / 450), 0.5 * (1 - 20 / 450)])
+    assert math.isnan(df["tracking_cos"][0]) and math.isnan(df["tracking_cos"][3])
+    assert df["tracking_cos"][1:3].notna().all() and (df["cg_iters"][1:3] == 5).all()
+    assert df["dg_pos"][1] == pytest.approx(-0.5 * 10 / 450)
+    # the other-heads control by hand: 6 other heads, k = 2 -> sqrt(2 * mean ||P_h g||^2) / ||g||
+    model = build_model(cfg)
+    model.load_state_dict(res.snapshots[2][1])
+    task = make_task(cfg.task)
+    batch = task.sample(32, 32, torch.Generator().manual_seed(cfg.val_seed))
+    g = _grad(model, task, batch, 0.0, 0.0)
+    layout = C.ParamLayout.from_model(model)
+    others = [(l, h) for l in range(2) for h in range(4) if (l, h) not in [(0, 0), (1, 3)]]
+    sq = [float(g[C.circuit_mask(layout, cfg.model, [x])].norm()) ** 2 for x in others]
+    assert df["other_heads_share"][2] == pytest.approx(math.sqrt(2 * sum(sq) / 6) / float(g.norm()), rel=1e-4)
+    assert df["share"][2] == pytest.approx(float(g[C.circuit_mask(layout, cfg.model, [(0, 0), (1, 3)])].norm())
+                                           / float(g.norm()), rel=1e-4)
+
+
+def test_continuation_trace_experiment_end_to_end(tmp_path):
+    from softprior.executors import execute
+    from softprior.experiments import Options, get_experiment
+    from softprior.report import write_report
+    from softprior.store import RunStore
+
+    exp = get_experiment("continuation_trace")
+    cells = exp.build(Options(quick=True))
+    assert {(c.col, c.row) for c in cells} == {("assoc_recall", p) for p in
+                                                ("fade600", "hard_switch1050", "forced_zero", "unforced", "posthoc")} | {
+        ("linear_icl", "fade600"), ("linear_icl", "forced_zero")}
+    assert all(c.cfg.snapshot_every == 50 for c in cells)
+    tiny = dict(steps=30, eval_every=15, n_val=32, batch_size=16, snapshot_every=15)  # tens of steps
+    for c in cells:
+        path = c.cfg.path.model_copy(update={"steps": 30}) if c.cfg.path.steps else c.cfg.path
+        c.cfg = c.cfg.model_copy(update={**tiny, "path": path})
+    store = RunStore(tmp_path / "s")
+    execute([c.cfg for c in cells], store, progress=False)
+    md = write_report(store, exp, cells, tmp_path / "out")
+    out = tmp_path / "out"
+    assert (out / "continuation.png").exists() and (out / "table.md").read_text() == md
+    assert "**Verdict" in md and "Spearman" in md and "forced_zero's zero-gate gradient" in md
+    for col, row in (("assoc_recall", "posthoc"), ("linear_icl", "fade600")):
+        assert f"| {col} | {row} |" in md
+    import pandas as pd
+    post = pd.read_csv(out / "continuation_assoc_recall_posthoc_seed0.csv")
+    unf = pd.read_csv(out / "continuation_assoc_recall_unforced_seed0.csv")
+    fz = pd.read_csv(out / "continuation_assoc_recall_forced_zero_seed0.csv")
+    assert list(unf["step"]) == [0, 15, 30] and list(post["step"]) == [30, 45, 60]  # after its parent's 30 steps
+    # the continuation starts from the unforced run's final weights: same zero-gate gradient, same circuit
+    assert post["share"][0] == pytest.approx(unf["share"][2], rel=1e-6)
+    assert post["grad_norm"][0] == pytest.approx(unf["grad_norm"][2], rel=1e-6)
+    # learned gates move (a tangent per interval); g = 0 throughout: nothing to track
+    assert unf["tracking_cos"][:2].notna().all() and fz["tracking_cos"].isna().all() and post["tracking_cos"].isna().all()

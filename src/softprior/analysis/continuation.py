@@ -555,17 +555,38 @@ def removal_step(path, total_steps: int) -> int:
     return total_steps
 
 
+def _as_heads(circuit) -> list[tuple[int, int]] | None:
+    """The circuit as (layer, head) pairs, or None when it is given otherwise (names, masks)."""
+    if torch.is_tensor(circuit) or isinstance(circuit, dict):
+        return None
+    items = list(circuit)
+    if not items or any(isinstance(x, str) for x in items):
+        return None
+    return [(int(l), int(h)) for l, h in items]
+
+
+def _other_heads_share(rs: RecoverySignal, other_masks, heads) -> float:
+    """A second control: the share of k random heads outside the circuit (k = len(heads)), as the root
+    of its mean square, sqrt(k mean_{h not in C} ||P_h grad||^2) / ||grad|| (squared shares of disjoint
+    coordinate sets add). NaN without a head circuit or without other heads."""
+    if not heads or not other_masks or rs.grad_norm == 0:
+        return float("nan")
+    sq = [float(torch.linalg.vector_norm(rs.grad[m])) ** 2 for m in other_masks]
+    return math.sqrt(len(heads) * sum(sq) / len(sq)) / rs.grad_norm
+
+
 def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batch=None, n_examples: int = 256,
                        damping: float = 1e-3, max_iter: int = 30, method: str = "minres", n_control: int = 8,
                        step_offset: int = 0, task=None):
     """Per snapshot of one run (a pandas DataFrame, one row per snapshot, in step order):
 
         step, g_pos, g_content, signal, grad_norm, share, control_share, expected_share,
-        solution_cos, dg_pos, dg_content, tracking_cos, norm_ratio, residual, rel_residual,
-        cg_iters, negative_curvature, seconds
+        other_heads_share, solution_cos, dg_pos, dg_content, tracking_cos, norm_ratio, residual,
+        rel_residual, cg_iters, negative_curvature, seconds
 
     - ``signal``, ``share``, ``control_share``: ``recovery_signal`` at the zero gate with the circuit
-      ``circuit`` (see ``circuit_mask``); ``solution_cos`` = cos(-grad_theta L(theta_s, 0),
+      ``circuit`` (see ``circuit_mask``); ``other_heads_share``: the same number of heads outside the
+      circuit (``_other_heads_share``; for a circuit given as heads); ``solution_cos`` = cos(-grad_theta L(theta_s, 0),
       theta_final - theta_s) (is the zero-gate descent direction aligned with where the run ends?).
     - ``tracking_cos``: for consecutive snapshots s, s', the tangent at s along the path's gate
       change w = g(s') - g(s) (so t_w predicts theta(s') - theta(s) to first order) against the actual
@@ -597,6 +618,10 @@ def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batc
         return pd.DataFrame()
     mask = circuit_mask(layout, cfg.model, circuit)
     eligible = zero_gate_mask(layout, cfg.model)
+    heads = _as_heads(circuit)
+    others = [(l, h) for l in range(cfg.model.n_layers) for h in range(cfg.model.n_heads)
+              if heads is not None and (l, h) not in heads]
+    other_masks = [circuit_mask(layout, cfg.model, [x]) for x in others]
     thetas = [layout.flatten(sd) for _, sd in snaps]
     total = cfg.total_steps
     gates = [path_gates(cfg.path, s, total, sd) for s, sd in snaps]
@@ -608,7 +633,8 @@ def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batc
         rs = recovery_signal_fn(*model_loss(model, task, batch, gate=(0.0, 0.0))[:2], mask, eligible, n_control)
         row = {"step": step + step_offset, "g_pos": gates[i][0], "g_content": gates[i][1], "signal": rs.signal,
                "grad_norm": rs.grad_norm, "share": rs.share, "control_share": rs.control_share,
-               "expected_share": rs.expected_share, "solution_cos": solution_cosine(rs.grad, thetas[i], thetas[-1]),
+               "expected_share": rs.expected_share, "other_heads_share": _other_heads_share(rs, other_masks, heads),
+               "solution_cos": solution_cosine(rs.grad, thetas[i], thetas[-1]),
                "dg_pos": float("nan"), "dg_content": float("nan"), "tracking_cos": float("nan"),
                "norm_ratio": float("nan"), "residual": float("nan"), "rel_residual": float("nan"),
                "cg_iters": 0, "negative_curvature": False}
