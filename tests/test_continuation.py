@@ -178,6 +178,16 @@ def test_circuit_mask_selects_exactly_one_heads_qkvo():
     others = [k for k in range(cfg.model.n_heads) if k != h]
     assert torch.allclose(c1[name_z][:, :, others], c0[name_z][:, :, others])
     assert c1[name_r][:, :, h].abs().max() == 0 and c0[name_r][:, :, h].abs().max() > 0
+    # only the out_proj part (W_O^h): head h's output vanishes, the other heads' outputs are untouched
+    only_o = mask.clone()
+    only_o[:layout.slice(f"blocks.{l}.attn.out_proj.weight").start] = False
+    theta = layout.flatten(dict(model.named_parameters())).clone()
+    theta[only_o] = 0.0
+    cut = _shifted(model, theta - layout.flatten(dict(model.named_parameters())), 1.0)
+    _, c2 = cut.run_with_cache(batch.inputs, 0.0, 0.0, names_filter=[name_z, name_r])
+    assert int(only_o.sum()) == cfg.model.d_model * dh
+    assert torch.allclose(c2[name_r][:, :, others], c0[name_r][:, :, others])
+    assert c2[name_r][:, :, h].abs().max() == 0
     # names and masks
     names = C.circuit_mask(layout, cfg.model, ["embed.weight"])
     assert int(names.sum()) == model.embed.weight.numel()
