@@ -324,7 +324,8 @@ def _ms(vals, digits=3) -> str:
 
 
 def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_examples: int = 256, max_iter: int = 30,
-                        damping: float = 1e-3, method: str = "minres", threshold: float = 0.03) -> str:
+                        damping: float = 1e-3, method: str = "minres", threshold: float = 0.03,
+                        threads: int | None = 1) -> str:
     """The paper's continuation quantities (``softprior.analysis.continuation``) over every stored
     snapshot of each finished run, a summary table, a verdict paragraph and a figure.
 
@@ -334,7 +335,21 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
     such run; every path of that seed is measured on the same C (the same seed: the same
     initialisation). Writes ``continuation_<task>_<path>_seed<s>.csv`` per run and
     ``continuation.png`` (per task and path, means over seeds: recovery share, its two controls,
-    tracking and solution cosines against the step, the gate on a second axis)."""
+    tracking and solution cosines against the step, the gate on a second axis).
+
+    ``threads``: torch threads for the measurements (restored after; None leaves them). One, like a
+    sweep's workers: on the shared 2-core machine (load ~5) a tangent snapshot took 2.85 s at 1
+    thread and 40.7 s at 2 (docs/PERFORMANCE.md)."""
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
