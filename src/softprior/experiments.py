@@ -272,3 +272,33 @@ def _large_mechanism_cells(o: Options) -> list[Cell]:
 register_experiment(Experiment(
     "mechanism_trace_large", "the mechanism trace of fade600->0 on the large model, where (unlike the base model) "
     "the circuit can form before the fade", _large_mechanism_cells, analysis=_mechanism_analysis))
+
+
+# ------------------------------------------------------------------------------------- continuation
+CONTINUATION_PATHS = {"assoc_recall": ["fade600", "hard_switch1050", "forced_zero", "unforced", "posthoc"],
+                      "linear_icl": ["fade600", "forced_zero"]}
+
+
+def _continuation_cells(o: Options, models=("base",)) -> list[Cell]:
+    every = 50 if o.quick else 300
+    return [Cell(c.cfg.model_copy(update={"snapshot_every": every}), c.row, c.col, c.evals)
+            for task, paths in CONTINUATION_PATHS.items()
+            for c in _path_cells(o, paths, task=task, models=models, col_of=lambda m, t=task: t)]
+
+
+def _continuation_analysis(store, cells, out_dir):
+    """The first min(256, n_val) validation examples (128 with --quick), at most 30 H-vector products."""
+    from .report import continuation_report
+    n = min([256] + [c.cfg.n_val for c in cells])
+    return continuation_report(store, cells, out_dir, n_examples=n, max_iter=30)
+
+
+register_experiment(Experiment(
+    "continuation_trace", "the paper's continuation view (Sec. 3.3), measured every 300 steps: zero-gate recovery "
+    "signal on the circuit's Q/K/V/O and optimum tracking (dθ*/dg = −H⁻¹A by MINRES on Hessian-vector products) along "
+    "fade600->0, hard_switch1050, forced_zero, unforced, posthoc (assoc_recall) and fade600->0, forced_zero (linear_icl)",
+    _continuation_cells, analysis=_continuation_analysis))
+
+register_experiment(Experiment(
+    "continuation_trace_large", "continuation_trace on the large model (where a circuit can form before the fade)",
+    lambda o: _continuation_cells(o, models=("large",)), analysis=_continuation_analysis))

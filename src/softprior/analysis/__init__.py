@@ -1,6 +1,7 @@
 """Mechanism analysis (SPEC section 6.11): attention patterns, per-head value contributions,
 successor-value mass, mean-ablation importance, previous-token and induction scores, and traces of
-these over training checkpoints.
+these over training checkpoints. The paper's Section 3.3 continuation quantities (recovery signal,
+optimum tangent, tracking cosine) are in the submodule ``softprior.analysis.continuation``.
 
 Every function reads the model's cached intermediates through its hook names
 (``SoftPriorTransformer.run_with_cache`` / ``hooks``); none re-implements the forward pass. The only
@@ -26,7 +27,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .model import SoftPriorTransformer
+from ..model import SoftPriorTransformer
 
 __all__ = ["attention_patterns", "head_value_contributions", "answer_mask", "successor_value_mass",
            "mean_ablation", "ablation_importance", "previous_token_score", "induction_score",
@@ -276,7 +277,7 @@ def trace(snapshots: Sequence[tuple[int, dict[str, torch.Tensor]]], cfg, batch=N
     ``n_examples``, from ``cfg.val_seed`` at length ``cfg.model.n_ctx``), the same for every step."""
     import pandas as pd
 
-    from .tasks import make_task
+    from ..tasks import make_task
 
     task = task if task is not None else make_task(cfg.task)
     if batch is None:

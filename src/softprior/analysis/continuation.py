@@ -1,0 +1,657 @@
+"""The paper's continuation argument (Section 3.3 of arXiv 2609.10287), measured.
+
+Write L(theta, g) for the training loss of the parameters theta at gate value g (the prior's
+strength). Two quantities carry the paper's explanation of why a slow fade keeps a circuit and an
+abrupt switch or a from-scratch NoPE run does not.
+
+1. **Optimum tracking.** If theta*(g) is a stationary point for every g near g0,
+   grad_theta L(theta*(g), g) = 0; differentiating in g (the implicit function theorem, as in
+   numerical continuation: Allgower & Georg 1990, *Introduction to Numerical Continuation Methods*,
+   ch. 2; the paper's Section 3.3) gives
+
+       H_g dtheta*/dg + A_g = 0,   so   dtheta*/dg = -H_g^{-1} A_g,
+       H_g = grad^2_theta L(theta, g)                  (the Hessian in theta),
+       A_g = grad^2_{theta g} L(theta, g) = d/dg grad_theta L(theta, g)   (the mixed derivative).
+
+   A path that tracks the optimum moves its parameters, over a gate change dg, along
+   t * dg with t = dtheta*/dg; ``tracking_cosine`` compares that with the change the path actually
+   made between two snapshots.
+
+2. **Recovery signal.** When the prior is removed at theta_prior, what drives the zero-gate model
+   towards the circuit is the zero-gate gradient restricted to the circuit's parameters:
+
+       r = || P_C grad_theta L(theta_prior, 0) ||,
+
+   P_C the orthogonal projection onto the subspace C of the circuit's parameters. The paper's claim:
+   from scratch (forced_zero in discrete retrieval) this gradient is small and symmetric on C; a
+   prior-trained state supplies a useful one; in linear ICL it is not needed.
+
+How each is computed (no Hessian is ever formed):
+
+- ``H v`` by double-backward autograd (Pearlmutter 1994, "Fast exact multiplication by the Hessian"):
+  one reverse pass builds grad_theta L with its graph, and every product is
+  H v = grad_theta (grad_theta L . v), a second reverse pass through that graph.
+- ``A_g`` by symmetry of mixed partial derivatives (Schwarz): d/dg grad_theta L = grad_theta (dL/dg),
+  one more reverse pass from the scalar dL/dg.
+- The tangent solves the *damped* system (Tikhonov / Levenberg-Marquardt damping, as in Martens 2010,
+  "Deep learning via Hessian-free optimization")
+
+       (H_g + lambda I) t = -A_g
+
+  by conjugate gradients (Hestenes & Stiefel 1952; Nocedal & Wright 2006, Algorithm 5.2) or MINRES
+  (Paige & Saunders 1975), at most ``max_iter`` products. Away from an optimum (every snapshot of a
+  run that is still learning) H_g can be indefinite and (H + lambda I) too: CG is then not guaranteed
+  to converge (it is still well defined while p^T (H + lambda I) p != 0; each non-positive curvature
+  seen is flagged in ``Tangent.negative_curvature``, and CG returns the iterate with the smallest
+  residual), MINRES minimises the residual over the same Krylov space for any symmetric matrix. Either
+  way the returned residual || (H + lambda I) t + A || is recomputed with one more product from the
+  returned t, not taken from the recurrence: a large relative residual says the tangent is not
+  converged, and should be read as such. MINRES is the default: on the tiny base model at
+  initialisation (assoc_recall, g = 0.5, 16 examples, float64) CG's residual never fell below ||A||
+  in 30 products (relative residual 1.0 at every damping from 1e-3 to 1; 0.94 after 60), while
+  MINRES reached 0.63 / 0.40 / 0.28 / 0.19 after 5 / 15 / 30 / 60 products, nearly independent of
+  the damping in that range.
+
+Conventions of the model wrappers (``model_loss``, ``recovery_signal``, ``optimum_tangent``):
+
+- theta is every parameter of the model except ``gate_logits``: the gates are the external variable
+  g. A learned gate is evaluated at the model's own value sigmoid(logit) and held there.
+- The gate variable is a scalar delta moving both gates along a ``direction`` (w_pos, w_content):
+  g_pos = g_pos0 + delta w_pos, g_content = g_content0 + delta w_content, derivatives at delta = 0.
+  The default direction (1, 1) is "g applied to both gates" (every path of the paper moves both
+  together); (1, 0) differentiates in the position gate alone. The loss is the task's training loss
+  (``task.loss`` at ``task.loss_positions``) on one fixed batch, through the readable
+  ``SoftPriorTransformer`` (the fast path's hand-written backwards are first order only).
+- The circuit subspace C (``circuit_mask``) is a coordinate subspace: by default the query, key and
+  value rows of ``in_proj`` and the matching columns of ``out_proj`` of a list of (layer, head)
+  pairs (4 d_model d_head coordinates per head), the heads found by ``circuit_heads``: zero-gate
+  mean-ablation importance (``ablation_importance``, SPEC 6.11 (ii)) of at least 0.03, at most half
+  of all heads, at least the top head. An explicit boolean mask, a list of parameter names or a
+  {name: bool tensor} dict are accepted too.
+- The control is a random coordinate subspace of the same dimension k (seeded), drawn uniformly from
+  the coordinates the zero-gate loss depends on (``zero_gate_mask``: everything but the prior's own
+  parameters B^pos and the content factors U, W, whose zero-gate gradient is exactly 0); its share
+  is averaged over ``n_control`` draws. For a gradient spread evenly over those n coordinates the
+  expected share is about sqrt(k / n) (``RecoverySignal.expected_share``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..model import SoftPriorTransformer
+
+__all__ = ["ParamLayout", "SecondOrder", "second_order", "solve_damped", "Tangent", "optimum_tangent_fn",
+           "RecoverySignal", "project_norm", "recovery_signal_fn", "model_loss", "model_second_order",
+           "circuit_mask", "circuit_heads", "zero_gate_mask", "recovery_signal", "optimum_tangent",
+           "tracking_cosine", "solution_cosine", "continuation_trace", "removal_step", "path_gates"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (theta [n], delta 0-d) -> scalar loss
+
+
+# ------------------------------------------------------------------------------------ the generic core
+class SecondOrder:
+    """Derivatives of ``loss_fn(theta, g)`` at one point, sharing one autograd graph.
+
+    ``grad`` = grad_theta L, ``mixed`` = A = d/dg grad_theta L = grad_theta (dL/dg) (Schwarz),
+    ``hvp(v)`` = H v = grad_theta (grad_theta L . v) (Pearlmutter 1994). Products reuse the graph, so
+    each costs one double-backward pass and no forward."""
+
+    def __init__(self, loss_fn: LossFn, theta: torch.Tensor, g=0.0):
+        self.theta = theta.detach().clone().requires_grad_(True)
+        self.g = torch.as_tensor(g, dtype=theta.dtype, device=theta.device).detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            self.loss = loss_fn(self.theta, self.g)
+            g_theta, g_g = torch.autograd.grad(self.loss, (self.theta, self.g), create_graph=True, allow_unused=True)
+        self._g_theta = g_theta if g_theta is not None else torch.zeros_like(self.theta)
+        self.grad = self._g_theta.detach()
+        if g_g is not None and g_g.requires_grad:
+            a = torch.autograd.grad(g_g, self.theta, retain_graph=True, allow_unused=True)[0]
+        else:  # the loss does not depend on g, or dL/dg does not depend on theta
+            a = None
+        self.mixed = a.detach() if a is not None else torch.zeros_like(self.theta)
+        self.n_products = 0
+
+    def hvp(self, v: torch.Tensor) -> torch.Tensor:
+        """H v (one double-backward pass through the stored graph)."""
+        self.n_products += 1
+        if not self._g_theta.requires_grad:  # a loss linear in theta: H = 0
+            return torch.zeros_like(self.theta)
+        out = torch.autograd.grad(self._g_theta, self.theta, grad_outputs=v.to(self.theta.dtype),
+                                  retain_graph=True, allow_unused=True)[0]
+        return out.detach() if out is not None else torch.zeros_like(self.theta)
+
+
+def second_order(loss_fn: LossFn, theta: torch.Tensor, g=0.0) -> SecondOrder:
+    """``SecondOrder(loss_fn, theta, g)``: grad, A_g and H-vector products of L at (theta, g)."""
+    return SecondOrder(loss_fn, theta, g)
+
+
+def _cg(op, b, max_iter, tol):
+    """Conjugate gradients for op(x) = b from x = 0 (Hestenes & Stiefel 1952; Nocedal & Wright 2006,
+    Algorithm 5.2). Returns (the iterate with the smallest recurrence residual, iterations, whether a
+    direction with p^T op(p) <= 0 was met)."""
+    x = torch.zeros_like(b)
+    r = b.clone()
+    p = r.clone()
+    rs = torch.dot(r, r)
+    bnorm = float(rs.sqrt())
+    best, best_norm, neg, it = x.clone(), bnorm, False, 0
+    if bnorm == 0.0:
+        return best, 0, False
+    for k in range(max_iter):
+        Ap = op(p)
+        pAp = torch.dot(p, Ap)
+        if float(pAp) <= 0.0:
+            neg = True
+            if float(pAp) == 0.0:
+                break
+        alpha = rs / pAp
+        x = x + alpha * p
+        r = r - alpha * Ap
+        rs_new = torch.dot(r, r)
+        it = k + 1
+        rn = float(rs_new.sqrt())
+        if rn < best_norm:
+            best, best_norm = x.clone(), rn
+        if rn <= tol * bnorm:
+            break
+        p = r + (rs_new / rs) * p
+        rs = rs_new
+    return best, it, neg
+
+
+def _minres(op, b, max_iter, tol):
+    """MINRES for a symmetric (possibly indefinite) op(x) = b from x = 0 (Paige & Saunders 1975; the
+    unpreconditioned recurrence of SciPy's ``minres``). Returns (x, iterations, False)."""
+    x = torch.zeros_like(b)
+    beta1 = float(torch.linalg.vector_norm(b))
+    if beta1 == 0.0:
+        return x, 0, False
+    r1, r2, y = b.clone(), b.clone(), b.clone()
+    oldb, beta, dbar, epsln, phibar = 0.0, beta1, 0.0, 0.0, beta1
+    cs, sn = -1.0, 0.0
+    w, w2 = torch.zeros_like(b), torch.zeros_like(b)
+    tiny = torch.finfo(b.dtype).eps
+    it = 0
+    for itn in range(1, max_iter + 1):
+        v = y / beta
+        y = op(v)
+        if itn >= 2:
+            y = y - (beta / oldb) * r1
+        alfa = float(torch.dot(v, y))
+        y = y - (alfa / beta) * r2
+        r1, r2 = r2, y
+        oldb, beta = beta, float(torch.linalg.vector_norm(r2))
+        oldeps = epsln
+        delta = cs * dbar + sn * alfa
+        gbar = sn * dbar - cs * alfa
+        epsln = sn * beta
+        dbar = -cs * beta
+        gamma = max(math.hypot(gbar, beta), tiny)
+        cs, sn = gbar / gamma, beta / gamma
+        phi, phibar = cs * phibar, sn * phibar
+        w1, w2 = w2, w
+        w = (v - oldeps * w1 - delta * w2) / gamma
+        x = x + phi * w
+        it = itn
+        if phibar <= tol * beta1 or beta <= tiny * beta1:
+            break
+    return x, it, False
+
+
+def solve_damped(hvp: Callable[[torch.Tensor], torch.Tensor], rhs: torch.Tensor, damping: float = 1e-3,
+                 max_iter: int = 30, tol: float = 1e-6, method: str = "minres"):
+    """Solve (H + damping I) x = rhs with ``hvp(v) = H v``; returns (x, iterations, negative_curvature).
+    ``tol``: stop when the residual falls below tol * ||rhs||. Methods: "cg", "minres"."""
+    if damping < 0:
+        raise ValueError(f"damping must be >= 0, got {damping}")
+    if method not in ("cg", "minres"):
+        raise ValueError(f"unknown method {method!r}; allowed: cg, minres")
+
+    def op(v):
+        return hvp(v) + damping * v
+    solver = _cg if method == "cg" else _minres
+    return solver(op, rhs, max_iter, tol)
+
+
+@dataclass
+class Tangent:
+    """dtheta*/dg from ``optimum_tangent``: t solves (H + damping I) t = -A approximately.
+
+    ``residual`` = ||(H + damping I) t + A||, recomputed from t with one more H-vector product;
+    ``rel_residual`` = residual / ||A|| (1.0 for t = 0)."""
+    tangent: torch.Tensor
+    residual: float
+    rel_residual: float
+    iterations: int
+    damping: float
+    a_norm: float
+    negative_curvature: bool
+    method: str
+    layout: "ParamLayout | None" = None
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """The tangent as {parameter name: tensor} (model wrappers only)."""
+        if self.layout is None:
+            raise ValueError("this tangent has no parameter layout (it came from a generic loss closure)")
+        return self.layout.unflatten(self.tangent)
+
+
+def _tangent_from(so: SecondOrder, damping, max_iter, tol, method, layout=None) -> Tangent:
+    A = so.mixed
+    t, it, neg = solve_damped(so.hvp, -A, damping, max_iter, tol, method)
+    res = float(torch.linalg.vector_norm(so.hvp(t) + damping * t + A))
+    an = float(torch.linalg.vector_norm(A))
+    return Tangent(t, res, res / an if an > 0 else 0.0, it, damping, an, neg, method, layout)
+
+
+def optimum_tangent_fn(loss_fn: LossFn, theta: torch.Tensor, g=0.0, damping: float = 1e-3, max_iter: int = 30,
+                       tol: float = 1e-6, method: str = "minres") -> Tangent:
+    """dtheta*/dg = -(H_g + damping I)^{-1} A_g at (theta, g) for a generic ``loss_fn(theta, g)``
+    (implicit function theorem; see the module docstring), by CG or MINRES on H-vector products."""
+    return _tangent_from(SecondOrder(loss_fn, theta, g), damping, max_iter, tol, method)
+
+
+@dataclass
+class RecoverySignal:
+    """||P_C grad|| (``signal``), its share of ||grad|| (``share``), and the same for random coordinate
+    subspaces of dimension ``dim`` (``control_signal``, ``control_share``: means over the draws)."""
+    signal: float
+    grad_norm: float
+    share: float
+    control_signal: float
+    control_share: float
+    dim: int
+    n_eligible: int
+    grad: torch.Tensor = field(repr=False, default=None)
+
+    @property
+    def expected_share(self) -> float:
+        """sqrt(dim / n_eligible): a random subspace's share for a gradient spread evenly."""
+        return math.sqrt(self.dim / self.n_eligible) if self.n_eligible else float("nan")
+
+
+def project_norm(vec: torch.Tensor, subspace: torch.Tensor) -> float:
+    """||P_C vec||. ``subspace``: a [n] bool mask (C spanned by those coordinates) or an [n, k]
+    matrix whose columns span C (orthonormalised here by a reduced QR: P_C = Q Q^T, ||P_C v|| = ||Q^T v||)."""
+    if subspace.dtype == torch.bool:
+        if subspace.shape != vec.shape:
+            raise ValueError(f"mask of shape {tuple(subspace.shape)} for a vector of shape {tuple(vec.shape)}")
+        return float(torch.linalg.vector_norm(vec[subspace]))
+    if subspace.dim() != 2 or subspace.shape[0] != vec.shape[0]:
+        raise ValueError(f"a basis must be [n={vec.shape[0]}, k], got {tuple(subspace.shape)}")
+    q, _ = torch.linalg.qr(subspace.to(vec.dtype))
+    return float(torch.linalg.vector_norm(q.T @ vec))
+
+
+def _subspace_dim(subspace: torch.Tensor) -> int:
+    if subspace.dtype == torch.bool:
+        return int(subspace.sum())
+    return int(torch.linalg.matrix_rank(subspace.double()))
+
+
+def _signal_from_grad(grad, subspace, eligible=None, n_control: int = 8, seed: int = 0) -> RecoverySignal:
+    n = grad.numel()
+    eligible = torch.ones(n, dtype=torch.bool) if eligible is None else eligible.to(torch.bool)
+    gn = float(torch.linalg.vector_norm(grad))
+    sig = project_norm(grad, subspace)
+    k = _subspace_dim(subspace)
+    idx = eligible.nonzero()[:, 0]
+    if k > len(idx):
+        raise ValueError(f"the subspace has dimension {k} > {len(idx)} eligible coordinates for the control")
+    gen = torch.Generator().manual_seed(seed)
+    ctrl = []
+    for _ in range(n_control):
+        pick = idx[torch.randperm(len(idx), generator=gen)[:k]]
+        ctrl.append(float(torch.linalg.vector_norm(grad[pick.to(grad.device)])))
+    cs = sum(ctrl) / len(ctrl) if ctrl else float("nan")
+    share = sig / gn if gn > 0 else 0.0
+    return RecoverySignal(sig, gn, share, cs, cs / gn if gn > 0 else 0.0, k, len(idx), grad)
+
+
+def recovery_signal_fn(loss_fn: LossFn, theta: torch.Tensor, subspace: torch.Tensor,
+                       eligible: torch.Tensor | None = None, n_control: int = 8, seed: int = 0) -> RecoverySignal:
+    """||P_C grad_theta L(theta, 0)|| for a generic ``loss_fn(theta, g)``, its share of
+    ||grad_theta L(theta, 0)||, and a control: random coordinate subsets of the same dimension from
+    ``eligible`` (a [n] bool mask, default all coordinates), ``n_control`` draws from ``seed``."""
+    th = theta.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        loss = loss_fn(th, torch.zeros((), dtype=theta.dtype, device=theta.device))
+        grad = torch.autograd.grad(loss, th)[0].detach()
+    return _signal_from_grad(grad, subspace, eligible, n_control, seed)
+
+
+# ------------------------------------------------------------------------------------ the real model
+class ParamLayout:
+    """The model's parameters (all but ``gate_logits`` unless told otherwise) as one flat vector."""
+
+    def __init__(self, named: Sequence[tuple[str, torch.Size]]):
+        self.names = [n for n, _ in named]
+        self.shapes = {n: torch.Size(s) for n, s in named}
+        self.offsets, o = {}, 0
+        for n in self.names:
+            self.offsets[n] = o
+            o += self.shapes[n].numel()
+        self.numel = o
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, exclude: Sequence[str] = ("gate_logits",)) -> "ParamLayout":
+        return cls([(n, p.shape) for n, p in model.named_parameters() if n not in exclude])
+
+    def slice(self, name: str) -> slice:
+        o = self.offsets[name]
+        return slice(o, o + self.shapes[name].numel())
+
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        from . import _strip_state
+        tensors = _strip_state(tensors)
+        return torch.cat([tensors[n].detach().reshape(-1) for n in self.names])
+
+    def unflatten(self, vec: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: vec[self.slice(n)].view(self.shapes[n]) for n in self.names}
+
+
+def _gate_base(model: SoftPriorTransformer, gate) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g_pos, g_content) as [L, H] tensors: ``gate`` None (the model's own), a float (both), or a pair."""
+    if gate is None or isinstance(gate, (int, float)) or (torch.is_tensor(gate) and gate.dim() == 0):
+        gp = gc = gate
+    else:
+        gp, gc = gate
+    with torch.no_grad():
+        a, b = model.gates(gp, gc)
+    return a.detach().clone(), b.detach().clone()
+
+
+def model_loss(model: SoftPriorTransformer, task, batch, gate=None, direction=(1.0, 1.0),
+               exclude: Sequence[str] = ("gate_logits",)) -> tuple[LossFn, torch.Tensor, ParamLayout]:
+    """(loss_fn, theta0, layout) for the model's training loss on ``batch``: loss_fn(theta, delta) is
+    ``task.loss`` at ``task.loss_positions`` with the parameters theta (flat, ``layout``) and the gates
+    g0 + delta * direction, g0 = ``gate`` (None: the model's own; a float: both; a (pos, content) pair;
+    a component may be None for that gate's own value). ``direction`` (w_pos, w_content): floats or
+    [L, H] tensors. Runs the readable model (double backward)."""
+    from torch.func import functional_call
+    layout = ParamLayout.from_model(model, exclude)
+    dtype = next(model.parameters()).dtype
+    theta0 = layout.flatten(dict(model.named_parameters())).to(dtype)
+    gp0, gc0 = _gate_base(model, gate)
+    wp, wc = (torch.as_tensor(w, dtype=dtype) for w in direction)
+    inputs = batch.inputs.to(dtype) if batch.inputs.is_floating_point() else batch.inputs
+    targets = batch.targets.to(dtype) if batch.targets.is_floating_point() else batch.targets
+    pos = task.loss_positions(inputs.shape[1])
+
+    def loss_fn(theta: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, layout.unflatten(theta), (inputs,),
+                              dict(gate_pos=gp0 + delta * wp, gate_content=gc0 + delta * wc, positions=pos),
+                              strict=False)
+        return task.loss(out, targets)
+    return loss_fn, theta0, layout
+
+
+def model_second_order(model: SoftPriorTransformer, task, batch, gate=None, direction=(1.0, 1.0)) -> SecondOrder:
+    """``SecondOrder`` of the model's loss at its parameters and ``gate`` (see ``model_loss``)."""
+    fn, theta, _ = model_loss(model, task, batch, gate, direction)
+    return SecondOrder(fn, theta, 0.0)
+
+
+def zero_gate_mask(layout: ParamLayout, cfg) -> torch.Tensor:
+    """[n] bool: the coordinates the zero-gate loss depends on, i.e. all but the prior's own parameters
+    (every ``pos_bias`` table, and the content factors U, W: ``in_proj`` rows 3d ..), whose gradient at
+    g = 0 is exactly 0 (they enter the logits multiplied by the gate)."""
+    m = torch.ones(layout.numel, dtype=torch.bool)
+    d = cfg.d_model
+    for n in layout.names:
+        s = layout.slice(n)
+        if n.endswith("attn.pos_bias"):
+            m[s] = False
+        elif n.endswith("attn.in_proj.weight"):
+            m[s].view(layout.shapes[n])[3 * d:] = False
+    return m
+
+
+def circuit_mask(layout: ParamLayout, cfg, circuit) -> torch.Tensor:
+    """[n] bool mask of the circuit subspace C. ``circuit``:
+
+    - a list of (layer, head) pairs: the head's query, key and value rows of
+      ``blocks.{l}.attn.in_proj.weight`` (rows h*dh.., d + h*dh.., 2d + h*dh.., dh each; the fused
+      layout Q | K | V | U | W of ``model.Attention``) and its columns h*dh..(h+1)*dh of
+      ``blocks.{l}.attn.out_proj.weight`` (W_O^h: the out projection reads head h's z from those
+      columns): 4 d_model d_head coordinates per head;
+    - a list of parameter names: every coordinate of those parameters;
+    - a {name: bool tensor of the parameter's shape} dict;
+    - a [n] bool tensor (returned as is)."""
+    if torch.is_tensor(circuit):
+        if circuit.dtype != torch.bool or circuit.shape != (layout.numel,):
+            raise ValueError(f"a circuit mask must be a [{layout.numel}] bool tensor, got {circuit.dtype} "
+                             f"{tuple(circuit.shape)}")
+        return circuit
+    m = torch.zeros(layout.numel, dtype=torch.bool)
+    if isinstance(circuit, dict):
+        for n, sub in circuit.items():
+            if n not in layout.offsets:
+                raise KeyError(f"unknown parameter {n!r}; allowed: {', '.join(layout.names)}")
+            m[layout.slice(n)] = sub.reshape(-1).to(torch.bool)
+        return m
+    items = list(circuit)
+    if all(isinstance(x, str) for x in items):
+        for n in items:
+            if n not in layout.offsets:
+                raise KeyError(f"unknown parameter {n!r}; allowed: {', '.join(layout.names)}")
+            m[layout.slice(n)] = True
+        return m
+    d, H, dh = cfg.d_model, cfg.n_heads, cfg.d_head
+    for item in items:
+        l, h = (int(x) for x in item)
+        if not (0 <= l < cfg.n_layers and 0 <= h < H):
+            raise IndexError(f"head ({l}, {h}) out of range for {cfg.n_layers} layers x {H} heads")
+        inp = m[layout.slice(f"blocks.{l}.attn.in_proj.weight")].view(layout.shapes[f"blocks.{l}.attn.in_proj.weight"])
+        for base in (0, d, 2 * d):  # Q, K, V rows of head h
+            inp[base + h * dh: base + (h + 1) * dh] = True
+        out = m[layout.slice(f"blocks.{l}.attn.out_proj.weight")].view(layout.shapes[f"blocks.{l}.attn.out_proj.weight"])
+        out[:, h * dh:(h + 1) * dh] = True
+    return m
+
+
+def circuit_heads(model: SoftPriorTransformer, task, batch, threshold: float = 0.03,
+                  max_heads: int | None = None) -> list[tuple[int, int]]:
+    """The heads that carry the zero-gate circuit: zero-gate mean-ablation importance
+    (``ablation_importance``, SPEC 6.11 (ii)) >= ``threshold``, largest first, at most ``max_heads``
+    (default half of all heads), and at least the top head."""
+    from . import ablation_importance
+    imp = ablation_importance(model, task, batch, (0.0, 0.0))
+    L, H = imp.shape
+    cap = max_heads if max_heads is not None else max(1, (L * H) // 2)
+    order = sorted(((float(imp[l, h]), l, h) for l in range(L) for h in range(H)), reverse=True)
+    heads = [(l, h) for v, l, h in order if v >= threshold][:cap]
+    return heads or [(order[0][1], order[0][2])]
+
+
+def recovery_signal(model: SoftPriorTransformer, task, batch, circuit=None, n_control: int = 8,
+                    seed: int = 0) -> RecoverySignal:
+    """||P_C grad_theta L(theta, g=0)||, its share of ||grad_theta L(theta, 0)|| and a random control
+    (module docstring). ``circuit``: see ``circuit_mask``; None uses ``circuit_heads`` of this model."""
+    if circuit is None:
+        circuit = circuit_heads(model, task, batch)
+    fn, theta, layout = model_loss(model, task, batch, gate=(0.0, 0.0))
+    return recovery_signal_fn(fn, theta, circuit_mask(layout, model.cfg, circuit),
+                              zero_gate_mask(layout, model.cfg), n_control, seed)
+
+
+def optimum_tangent(model: SoftPriorTransformer, task, batch, gate=None, direction=(1.0, 1.0),
+                    damping: float = 1e-3, max_iter: int = 30, tol: float = 1e-6, method: str = "minres") -> Tangent:
+    """dtheta*/dg = -(H_g + damping I)^{-1} A_g for the model at ``gate`` (None: its own gates; a
+    float: both; a pair) along ``direction`` (module docstring); ``Tangent.as_dict()`` names the parts."""
+    fn, theta, layout = model_loss(model, task, batch, gate, direction)
+    return _tangent_from(SecondOrder(fn, theta, 0.0), damping, max_iter, tol, method, layout)
+
+
+def _flat(x, layout: ParamLayout | None) -> torch.Tensor:
+    if isinstance(x, Tangent):
+        return x.tangent
+    if isinstance(x, dict):
+        if layout is None:
+            raise ValueError("state dicts need a layout (ParamLayout.from_model(model))")
+        return layout.flatten(x)
+    return x
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
+    if na == 0.0 or nb == 0.0:
+        return float("nan")
+    return float(torch.dot(a.double(), b.double())) / (na * nb)
+
+
+def tracking_cosine(tangent, before, after, layout: ParamLayout | None = None, dg: float = 1.0) -> float:
+    """cos(dg t, theta_after - theta_before): does the change a path made between two snapshots point
+    where the optimum moves for a gate change dg (first order: dtheta* = t dg)? ``tangent``: a
+    ``Tangent`` or flat vector; ``before``/``after``: flat vectors or state dicts (with ``layout``;
+    the trainer's snapshots are accepted). NaN when dg = 0 or either vector is 0."""
+    t = _flat(tangent, layout if layout is not None else getattr(tangent, "layout", None))
+    lay = layout if layout is not None else getattr(tangent, "layout", None)
+    delta = _flat(after, lay).to(t.dtype) - _flat(before, lay).to(t.dtype)
+    return _cos(dg * t, delta)
+
+
+def solution_cosine(grad: torch.Tensor, theta: torch.Tensor, theta_final: torch.Tensor) -> float:
+    """cos(-grad, theta_final - theta): is the (zero-gate) descent direction already aligned with the
+    displacement to where the run ends?"""
+    return _cos(-grad, theta_final.to(grad.dtype) - theta.to(grad.dtype))
+
+
+# ------------------------------------------------------------------------------------ traces over snapshots
+def path_gates(path, step: int, total_steps: int, state: dict | None = None, model=None) -> tuple[float, float]:
+    """The (g_pos, g_content) the path applies at ``step``: the schedule's value, or for a learned
+    gate the model's own sigmoid(logit) from ``state`` (loaded into ``model``), averaged over units."""
+    out = []
+    for i, gc in enumerate((path.pos, path.content)):
+        v = gc.value_at(step, total_steps)
+        if v is None:
+            logits = (state or {}).get("gate_logits")
+            if logits is None and model is not None:
+                logits = model.gate_logits
+            v = float(torch.sigmoid(logits[i].detach()).mean()) if logits is not None else float("nan")
+        out.append(float(v))
+    return out[0], out[1]
+
+
+def removal_step(path, total_steps: int) -> int:
+    """Where the path removes the prior: 0 if both gates start at 0 (forced_zero, post hoc
+    continuation), the final step if a gate is learned (unforced: removal would come after training),
+    else the last step before a gate first falls below its step-0 value, the last prior-trained state
+    (fade S: S; hard switch at s: s - 1)."""
+    if path.pos.mode == "learned" or path.content.mode == "learned":
+        return total_steps
+    g0 = [g.value_at(0, total_steps) for g in (path.pos, path.content)]
+    if max(g0) == 0.0:
+        return 0
+    for s in range(1, total_steps + 1):
+        if any(g.value_at(s, total_steps) < v for g, v in zip((path.pos, path.content), g0)):
+            return s - 1
+    return total_steps
+
+
+def _as_heads(circuit) -> list[tuple[int, int]] | None:
+    """The circuit as (layer, head) pairs, or None when it is given otherwise (names, masks)."""
+    if torch.is_tensor(circuit) or isinstance(circuit, dict):
+        return None
+    items = list(circuit)
+    if not items or any(isinstance(x, str) for x in items):
+        return None
+    return [(int(l), int(h)) for l, h in items]
+
+
+def _other_heads_share(rs: RecoverySignal, other_masks, heads) -> float:
+    """A second control: the share of k random heads outside the circuit (k = len(heads)), as the root
+    of its mean square, sqrt(k mean_{h not in C} ||P_h grad||^2) / ||grad|| (squared shares of disjoint
+    coordinate sets add). NaN without a head circuit or without other heads."""
+    if not heads or not other_masks or rs.grad_norm == 0:
+        return float("nan")
+    sq = [float(torch.linalg.vector_norm(rs.grad[m])) ** 2 for m in other_masks]
+    return math.sqrt(len(heads) * sum(sq) / len(sq)) / rs.grad_norm
+
+
+def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batch=None, n_examples: int = 256,
+                       damping: float = 1e-3, max_iter: int = 30, method: str = "minres", n_control: int = 8,
+                       step_offset: int = 0, task=None):
+    """Per snapshot of one run (a pandas DataFrame, one row per snapshot, in step order):
+
+        step, g_pos, g_content, signal, grad_norm, share, control_share, expected_share,
+        other_heads_share, solution_cos, dg_pos, dg_content, tracking_cos, norm_ratio, residual,
+        rel_residual, cg_iters, negative_curvature, seconds
+
+    - ``signal``, ``share``, ``control_share``: ``recovery_signal`` at the zero gate with the circuit
+      ``circuit`` (see ``circuit_mask``); ``other_heads_share``: the same number of heads outside the
+      circuit (``_other_heads_share``; for a circuit given as heads); ``solution_cos`` = cos(-grad_theta L(theta_s, 0),
+      theta_final - theta_s) (is the zero-gate descent direction aligned with where the run ends?).
+    - ``tracking_cos``: for consecutive snapshots s, s', the tangent at s along the path's gate
+      change w = g(s') - g(s) (so t_w predicts theta(s') - theta(s) to first order) against the actual
+      change: ``tracking_cosine``; ``norm_ratio`` = ||t_w|| / ||theta(s') - theta(s)||. NaN where the
+      gate did not change (nothing to track) and on the last snapshot. ``residual``/``rel_residual``/
+      ``cg_iters``/``negative_curvature``: the solver's report (``Tangent``).
+    - ``seconds``: the wall time of the snapshot's measurements.
+
+    The batch is the run's validation set (the first ``n_examples`` of ``cfg.val_seed`` at length
+    ``cfg.model.n_ctx``), the same for every snapshot; gates are the path's (``path_gates``).
+    ``step_offset`` is added to the reported steps (a post hoc continuation starts at its parent's end).
+    """
+    import time
+
+    import pandas as pd
+
+    from ..tasks import make_task
+    from . import _strip_state
+
+    task = task if task is not None else make_task(cfg.task)
+    if batch is None:
+        batch = task.sample(n_examples, cfg.model.n_ctx, torch.Generator().manual_seed(cfg.val_seed))
+    with torch.random.fork_rng(devices=[]):
+        model = SoftPriorTransformer(cfg.model)
+    model.eval()
+    layout = ParamLayout.from_model(model)
+    snaps = sorted(((int(s), _strip_state(sd)) for s, sd in snapshots), key=lambda x: x[0])
+    if not snaps:
+        return pd.DataFrame()
+    mask = circuit_mask(layout, cfg.model, circuit)
+    eligible = zero_gate_mask(layout, cfg.model)
+    heads = _as_heads(circuit)
+    others = [(l, h) for l in range(cfg.model.n_layers) for h in range(cfg.model.n_heads)
+              if heads is not None and (l, h) not in heads]
+    other_masks = [circuit_mask(layout, cfg.model, [x]) for x in others]
+    thetas = [layout.flatten(sd) for _, sd in snaps]
+    total = cfg.total_steps
+    gates = [path_gates(cfg.path, s, total, sd) for s, sd in snaps]
+    learned = (cfg.path.pos.mode == "learned", cfg.path.content.mode == "learned")
+    rows = []
+    for i, (step, sd) in enumerate(snaps):
+        t0 = time.perf_counter()
+        model.load_state_dict(sd)
+        rs = recovery_signal_fn(*model_loss(model, task, batch, gate=(0.0, 0.0))[:2], mask, eligible, n_control)
+        row = {"step": step + step_offset, "g_pos": gates[i][0], "g_content": gates[i][1], "signal": rs.signal,
+               "grad_norm": rs.grad_norm, "share": rs.share, "control_share": rs.control_share,
+               "expected_share": rs.expected_share, "other_heads_share": _other_heads_share(rs, other_masks, heads),
+               "solution_cos": solution_cosine(rs.grad, thetas[i], thetas[-1]),
+               "dg_pos": float("nan"), "dg_content": float("nan"), "tracking_cos": float("nan"),
+               "norm_ratio": float("nan"), "residual": float("nan"), "rel_residual": float("nan"),
+               "cg_iters": 0, "negative_curvature": False}
+        if i + 1 < len(snaps):
+            w = (gates[i + 1][0] - gates[i][0], gates[i + 1][1] - gates[i][1])
+            row["dg_pos"], row["dg_content"] = w
+            if any(math.isfinite(x) and x != 0.0 for x in w):
+                w = tuple(x if math.isfinite(x) else 0.0 for x in w)
+                at = tuple(None if lrn else g for lrn, g in zip(learned, gates[i]))  # learned: the model's own
+                tg = optimum_tangent(model, task, batch, gate=at, direction=w, damping=damping,
+                                     max_iter=max_iter, method=method)
+                delta = thetas[i + 1] - thetas[i]
+                row.update(tracking_cos=_cos(tg.tangent, delta),
+                           norm_ratio=float(torch.linalg.vector_norm(tg.tangent) / torch.linalg.vector_norm(delta))
+                           if float(torch.linalg.vector_norm(delta)) > 0 else float("nan"),
+                           residual=tg.residual, rel_residual=tg.rel_residual, cg_iters=tg.iterations,
+                           negative_curvature=tg.negative_curvature)
+        row["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+    return pd.DataFrame(rows)
