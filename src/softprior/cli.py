@@ -162,8 +162,44 @@ def _experiment(args):
     return exp, exp.build(opts)
 
 
+def _paper(args, train: bool) -> int:
+    """``reproduce paper`` / ``report paper``: every experiment, one sweep, every table, RESULTS.md."""
+    from pathlib import Path
+
+    from .experiments import Options, load_plugin
+    from .paper import paper_cells, write_results_doc
+    from .report import write_report
+    for f in args.plugin or []:
+        load_plugin(f)
+    if args.seeds is not None and args.seeds < 1:
+        raise CliError(f"--seeds must be >= 1, got {args.seeds}")
+    tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
+    exps = paper_cells(Options(seeds=args.seeds, quick=args.quick, tasks=tasks))
+    store = _store(args)
+    out = Path(args.out or "results")
+    failed = 0
+    if train:
+        from .executors import execute
+        cfgs = list({c.cfg.run_id: c.cfg for _, cells in exps for c in cells}.values())
+        print(f"paper: {len(exps)} experiments, {len(cfgs)} distinct runs, store {args.store}", file=sys.stderr)
+        t0 = time.perf_counter()
+        report = execute(cfgs, store, executor=args.executor, workers=args.workers, group_size=args.group,
+                         address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
+        print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        failed = len(report.failed)
+    for exp, cells in exps:
+        write_report(store, exp, cells, out / exp.name)
+    doc = args.doc or str(out / "RESULTS.md")
+    write_results_doc(out, doc, names=[e.name for e, _ in exps])
+    print(Path(doc).read_text().split("\n## ", 2)[1] if "\n## " in Path(doc).read_text() else "")
+    print(f"wrote {len(exps)} experiments under {out}/ and {doc}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def cmd_reproduce(args) -> int:
     from .executors import execute
+    if args.name == "paper":
+        return _paper(args, train=True)
     exp, cells = _experiment(args)
     if args.device:
         import os
@@ -236,6 +272,8 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_report(args) -> int:
+    if args.name == "paper":
+        return _paper(args, train=False)
     exp, cells = _experiment(args)
     _write_report(args, exp, cells, _store(args))
     return 0
@@ -322,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, hlp in (("reproduce", cmd_reproduce, "run an experiment's missing runs, then tabulate and plot it"),
                           ("report", cmd_report, "rebuild an experiment's table and figures from the store")):
         r = sub.add_parser(name, help=hlp)
-        r.add_argument("name")
+        r.add_argument("name", help="an experiment (see `softprior experiments`), or 'paper' for all of them")
         r.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: the paper's)")
         r.add_argument("--tasks", default=None, help="comma-separated task filter (static_baselines)")
         r.add_argument("--store", default="runs")

@@ -60,7 +60,19 @@ class Options:
 
     def run_kwargs(self) -> dict:
         """Overrides for --quick: few steps, a small validation set."""
-        return dict(steps=100, eval_every=25, n_val=128) if self.quick else {}
+        return dict(steps=QUICK_STEPS, eval_every=QUICK_STEPS // 18, n_val=128) if self.quick else {}
+
+    def scaled(self, cfg: RunConfig) -> RunConfig:
+        """--quick: every schedule scaled to the quick budget (``paths.scale_path``), so a smoke run keeps
+        each path's shape (a fade at 600 of 3,600 becomes one at 1/6 of the quick budget)."""
+        if not self.quick:
+            return cfg
+        from .paths import scale_path
+        return cfg.model_copy(update={"path": scale_path(cfg.path, QUICK_STEPS / PAPER_STEPS)})
+
+
+PAPER_STEPS = 3600
+QUICK_STEPS = 180
 
 
 @dataclass
@@ -107,8 +119,7 @@ def _path_cells(opts: Options, paths, *, task="assoc_recall", models=("base",), 
             n = opts.n_seeds((seeds_for or {}).get(path, seeds))
             for seed in range(n):
                 cfg = make_run_config(task, path, seed, model=model, task_options=task_options, **opts.run_kwargs())
-                if opts.quick and cfg.path.steps:  # derived runs: a short continuation too
-                    cfg = cfg.model_copy(update={"path": cfg.path.model_copy(update={"steps": 100})})
+                cfg = opts.scaled(cfg)
                 cells.append(Cell(cfg, row=path, col=col_of(model) if col_of else (model if len(models) > 1 else ""),
                                   evals=evals))
     return cells

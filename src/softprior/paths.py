@@ -195,3 +195,31 @@ def list_paths() -> list[tuple[str, str]]:
 
 
 __all__ += ["Constant", "Linear", "Fade", "HardSwitch"]
+
+
+# ---------------------------------------------------------------- scaling to another budget
+_STEP_FIELDS = ("start_step", "end_step", "width", "at")
+
+
+def scale_path(path: PathConfig, factor: float) -> PathConfig:
+    """The same trajectory on a budget ``factor`` times the paper's: every step number of every
+    schedule (fade start and width, switch step, linear end) and the derived run's budgets are
+    multiplied by ``factor`` and rounded (at least 1 for widths and budgets). ``--quick`` uses it so a
+    smoke run keeps every path's shape: fade600 of 3,600 becomes a fade at 1/6 of the quick budget."""
+    def s(v, least=0):
+        return None if v is None else max(least, int(round(v * factor)))
+
+    def gate(g: GateConfig) -> GateConfig:
+        if g.schedule is None:
+            return g
+        fields = type(g.schedule).model_fields
+        upd = {k: s(getattr(g.schedule, k), 1 if k in ("width", "end_step") else 0) for k in _STEP_FIELDS
+               if k in fields and getattr(g.schedule, k) is not None}
+        return g.model_copy(update={"schedule": g.schedule.model_copy(update=upd)})
+
+    return path.model_copy(update={"pos": gate(path.pos), "content": gate(path.content),
+                                   "parent": scale_path(path.parent, factor) if path.parent else None,
+                                   "parent_steps": s(path.parent_steps, 1), "steps": s(path.steps, 1)})
+
+
+__all__ += ["scale_path"]
