@@ -111,7 +111,9 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     def per_run_val_loss(out, targets):
         return vmap(task.loss, in_dims=(0, None))(out, targets)
 
-    def model_gates():
+    def model_gates():  # as SoftPriorTransformer.gates: a model without a prior has gates 0
+        if not c0.model.prior:
+            return zeros, zeros
         g = torch.sigmoid(params["gate_logits"])  # [K, 2, a, b]
         return g[:, 0].expand(K, L, H), g[:, 1].expand(K, L, H)
 
