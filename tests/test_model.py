@@ -175,6 +175,40 @@ def test_gate_granularity(gran, shape, x):
         torch.testing.assert_close(m(x), m(x, 0.0, 0.0))
 
 
+def test_per_layer_gate_tensor_is_per_layer_when_layers_equal_heads():
+    """Large preset: L = H = 4. A forced [L] tensor must give layer l the value v[l] in every head
+    (broadcasting it as [H] would give head h the value v[h] in every layer instead)."""
+    m = make_model(preset="large")
+    L, H = m.cfg.n_layers, m.cfg.n_heads
+    assert L == H == 4
+    v = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    gp, gc = m.gates(v, 0.0)
+    for l in range(L):
+        for h in range(H):
+            assert gp[l, h] == v[l], (l, h)
+    assert torch.equal(gc, torch.zeros(L, H))
+    # the spellings of "per layer" agree, "per head" is a different gate, [L, H] is taken as is
+    assert torch.equal(m.gates(v[:, None])[0], gp)
+    assert torch.equal(m.gates(v[None, :])[0], gp.T)
+    full = torch.rand(L, H, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(m.gates(full)[0], full)
+    # and the forward uses it per layer: only layer 0's gate is on -> layers 1..3 see no prior
+    xx = tokens()
+    with torch.no_grad():
+        only_l0 = torch.tensor([1.0, 0.0, 0.0, 0.0])
+        manual = torch.zeros(L, H)
+        manual[0] = 1.0
+        torch.testing.assert_close(m(xx, only_l0, 0.0), m(xx, manual, 0.0), atol=0, rtol=0)
+        assert not torch.allclose(m(xx, only_l0, 0.0), m(xx, manual.T, 0.0), atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 3), (4, 2), (1, 1, 4), (4,)])
+def test_gate_tensor_of_a_wrong_shape_is_a_clear_error(model, shape):
+    # base model: L = 2, H = 4. [4] (a per-head vector) is refused too: 1-D means per layer.
+    with pytest.raises(ValueError, match=r"position gate tensor of shape .* L=2 layers and H=4 heads"):
+        model.gates(torch.full(shape, 0.5), None)
+
+
 def test_learned_gate_gets_gradient_forced_gate_does_not(x):
     m = make_model()
     m.train()

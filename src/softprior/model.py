@@ -98,6 +98,21 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**MODEL_PRESETS[name], **overrides})
 
 
+def shape_gate(g: torch.Tensor, L: int, H: int, kind: str = "gate") -> torch.Tensor:
+    """A forced gate value as [L, H]: a number or one-element tensor -> every head of every layer;
+    [L] or [L, 1] -> per layer; [1, H] -> per head, the same in every layer; [L, H] as is. A 1-D
+    tensor is per layer even when L = H (broadcasting it would silently make it per head)."""
+    shape = tuple(g.shape)
+    if g.numel() == 1 and g.dim() <= 2:
+        return g.reshape(1, 1).expand(L, H)
+    if shape == (L,):
+        return g[:, None].expand(L, H)
+    if g.dim() == 2 and shape[0] in (1, L) and shape[1] in (1, H):
+        return g.expand(L, H)
+    raise ValueError(f"{kind} gate tensor of shape {list(shape)} does not fit a model with L={L} layers and "
+                     f"H={H} heads; use a number, [L] or [L, 1] (per layer), [1, H] (per head) or [L, H]")
+
+
 # ------------------------------------------------------------------------------------------ hooks
 class HookState:
     """Shared by every module of one model. Inactive (the default) it costs one attribute check."""
@@ -238,7 +253,12 @@ class SoftPriorTransformer(nn.Module):
     # ---------------------------------------------------------------- gates
     def gates(self, pos=None, content=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Gate values [L, H] for (position, content). None = learned (sigmoid of the logit);
-        a float or tensor forces the gate (fixed/scheduled modes and evaluation overrides)."""
+        a float or tensor forces the gate (fixed/scheduled modes and evaluation overrides).
+
+        A forced tensor is read by shape (``shape_gate``): a number (or one element) for every head of
+        every layer, ``[L]`` or ``[L, 1]`` per layer, ``[1, H]`` per head (the same in every layer),
+        ``[L, H]`` per layer and head. A 1-D tensor is always per layer, also when L = H (as in the
+        large preset); any other shape raises ``ValueError``."""
         L, H = self.cfg.n_layers, self.cfg.n_heads
         if not self.cfg.prior:
             z = torch.zeros(L, H, device=self.gate_logits.device, dtype=self.gate_logits.dtype)
@@ -246,10 +266,11 @@ class SoftPriorTransformer(nn.Module):
         out = []
         for i, forced in enumerate((pos, content)):
             if forced is None:
-                g = torch.sigmoid(self.gate_logits[i])
+                g = torch.sigmoid(self.gate_logits[i])  # [1, 1], [L, 1] or [L, H]: broadcasts as is
+                out.append(g.expand(L, H))
             else:
                 g = torch.as_tensor(forced, dtype=self.gate_logits.dtype, device=self.gate_logits.device)
-            out.append(g.expand(L, H) if g.dim() else g.view(1, 1).expand(L, H))
+                out.append(shape_gate(g, L, H, ("position", "content")[i]))
         return out[0], out[1]
 
     # ---------------------------------------------------------------- forward
