@@ -139,15 +139,51 @@ def test_gates_are_separate(model, x):
 
 
 def test_zero_gates_ignore_bias_hooks(model, x):
-    """Layout-free version: replacing the bias tensors themselves changes nothing at gate 0."""
+    """Layout-free version: replacing the bias tensors themselves changes nothing at gate 0, and
+    each replacement does change the output once its own gate is on (so each check can fail: the
+    content bias used to be observe-only, its replacement silently dropped)."""
     noise = lambda t, name: 5.0 * torch.randn_like(t)  # noqa: E731
-    names = [n for n in model.hook_names() if n.endswith(("hook_pos_bias", "hook_content_bias"))]
-    assert len(names) == 2 * model.cfg.n_layers
+    for kind, gates_on in (("hook_pos_bias", (0.5, 0.0)), ("hook_content_bias", (0.0, 0.5))):
+        names = [n for n in model.hook_names() if n.endswith(kind)]
+        assert len(names) == model.cfg.n_layers
+        with torch.no_grad():
+            ref, ref_on = model(x, 0.0, 0.0), model(x, *gates_on)
+            with model.hooks([(n, noise) for n in names]):
+                torch.testing.assert_close(model(x, 0.0, 0.0), ref, atol=1e-6, rtol=0)
+                assert not torch.allclose(model(x, *gates_on), ref_on, atol=1e-3), kind
+
+
+def test_replaced_content_bias_enters_the_logits_gated():
+    """A hook that returns B^content unchanged (a copy) keeps the logits; one that returns 2 B^content
+    equals doubling the content gate: the replacement sits exactly where B^content is in the equation."""
+    m = _perturbed(make_model(), content=True)
+    names = [n for n in m.hook_names() if n.endswith("hook_content_bias")]
+    xx = tokens()
     with torch.no_grad():
-        ref = model(x, 0.0, 0.0)
-        with model.hooks([(n, noise) for n in names]):
-            torch.testing.assert_close(model(x, 0.0, 0.0), ref, atol=1e-6, rtol=0)
-            assert not torch.allclose(model(x, 0.5, 0.5), ref, atol=1e-3)
+        ref, doubled_gate = m(xx, 0.3, 0.2), m(xx, 0.3, 0.4)
+        with m.hooks([(n, lambda t, name: t.clone()) for n in names]):  # unfused, same equation
+            torch.testing.assert_close(m(xx, 0.3, 0.2), ref, atol=1e-4, rtol=1e-5)
+        with m.hooks([(n, lambda t, name: 2.0 * t) for n in names]):
+            torch.testing.assert_close(m(xx, 0.3, 0.2), doubled_gate, atol=1e-4, rtol=1e-5)
+        assert not torch.allclose(ref, doubled_gate, atol=1e-2)
+
+
+def test_replacing_an_observe_only_hook_is_an_error(model, x):
+    """hook_result is computed for inspection; the forward uses hook_z. A replacement there used to
+    be silently ignored."""
+    from softprior.model import OBSERVE_ONLY_HOOKS, HookError
+    assert OBSERVE_ONLY_HOOKS == ("hook_result",)
+    name = "blocks.1.attn.hook_result"
+    seen = []
+    with torch.no_grad(), model.hooks([(name, lambda t, n: seen.append(t.shape))]):
+        model(x)  # observing is fine
+    assert seen == [(B, T, model.cfg.n_heads, model.cfg.d_model)]
+
+    def zero_heads(t, n):
+        return torch.zeros_like(t)
+    with torch.no_grad(), model.hooks([(name, zero_heads)]):
+        with pytest.raises(HookError, match=r"zero_heads.*blocks\.1\.attn\.hook_result.*observe-only.*hook_z"):
+            model(x)
 
 
 def test_learned_gates_start_at_half(model):
