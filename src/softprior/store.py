@@ -1,6 +1,7 @@
 """The embedded run store: a SQLite index plus one directory per run.
 
     STORE/index.sqlite            runs(run_id, status, task, path, seed, model, config, summary, error, ...)
+                                  engine_errors(run_ids, error, ...): group engine exceptions, with traceback
     STORE/runs/RUN_ID/config.json
     STORE/runs/RUN_ID/metrics.jsonl
     STORE/runs/RUN_ID/final.safetensors      model weights (safetensors: never pickle)
@@ -43,6 +44,13 @@ CREATE TABLE IF NOT EXISTS runs (
     owner TEXT,
     heartbeat REAL,
     created REAL, updated REAL
+);
+CREATE TABLE IF NOT EXISTS engine_errors (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_ids TEXT NOT NULL,           -- JSON list: the group whose training raised
+    error TEXT NOT NULL,             -- 'Type: message' and the traceback
+    owner TEXT,
+    created REAL
 );
 """
 
@@ -211,6 +219,19 @@ class RunStore:
                 " ON CONFLICT(run_id) DO UPDATE SET status='failed', error=excluded.error, updated=excluded.updated",
                 (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
                  json.dumps(cfg.canonical(), sort_keys=True), error, self.owner, now, now))
+
+    def record_engine_error(self, run_ids: list[str], error: str) -> None:
+        """Keep the exception (with traceback) of a group engine that failed on ``run_ids`` (the sweep
+        then retrains them alone, so the runs' own rows would not show it)."""
+        with self._connect() as db:
+            db.execute("INSERT INTO engine_errors(run_ids, error, owner, created) VALUES(?, ?, ?, ?)",
+                       (json.dumps(list(run_ids)), error, self.owner, time.time()))
+
+    def engine_errors(self) -> list[dict]:
+        """Recorded group engine failures, oldest first: {run_ids, error, owner, created}."""
+        with self._connect() as db:
+            rows = db.execute("SELECT run_ids, error, owner, created FROM engine_errors ORDER BY id").fetchall()
+        return [{**dict(r), "run_ids": json.loads(r["run_ids"])} for r in rows]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
