@@ -91,6 +91,30 @@ def test_train_other_tasks(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ eval
+def _by_hand(store, run_id, length, g_pos, g_content):
+    """Accuracy and loss of a stored run computed independently of ``softprior eval``: the weights
+    read straight from final.safetensors into the readable model, every position computed, the
+    answer read at the last one, cross-entropy and argmax written out here."""
+    import torch
+    from safetensors.torch import load_file
+
+    from softprior.config import RunConfig
+    from softprior.model import SoftPriorTransformer
+    from softprior.tasks import make_task
+
+    d = __import__("pathlib").Path(store) / "runs" / run_id
+    cfg = RunConfig.model_validate_json((d / "config.json").read_text())
+    model = SoftPriorTransformer(cfg.model)
+    model.load_state_dict(load_file(str(d / "final.safetensors")))
+    val = make_task(cfg.task).sample(cfg.n_val, length, torch.Generator().manual_seed(cfg.val_seed))
+    with torch.no_grad():
+        logits = model(val.inputs, g_pos, g_content)[:, -1]  # [n_val, vocab]
+    logp = logits - logits.logsumexp(-1, keepdim=True)
+    loss = -logp.gather(1, val.targets[:, None]).mean()
+    acc = (logits.argmax(-1) == val.targets).float().mean()
+    return float(acc), float(loss), cfg
+
+
 def test_eval_zero_gates_at_length_120(trained, capsys):
     store, s, _, _ = trained
     rc, out, _ = cli(capsys, "eval", s["run_id"], "--gates", "pos=0,content=0", "--length", "120",
@@ -99,7 +123,14 @@ def test_eval_zero_gates_at_length_120(trained, capsys):
     e = last_json(out)
     assert e["run_id"] == s["run_id"] and e["length"] == 120
     assert e["g_pos"] == 0.0 and e["g_content"] == 0.0
-    assert e["metric"] == "acc" and 0.0 <= e["acc"] <= 1.0
+    acc, loss, cfg = _by_hand(store, s["run_id"], 120, 0.0, 0.0)
+    assert e["metric"] == "acc"
+    assert abs(e["acc"] - acc) <= 1.0 / cfg.n_val  # at most one near-tie flipped by rounding
+    assert e["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    assert e["chance"] == pytest.approx(1.0 / cfg.task.n_pairs)
+    # and these are not the training-length numbers (so a --length that is ignored would fail here)
+    _, loss32, _ = _by_hand(store, s["run_id"], 32, 0.0, 0.0)
+    assert abs(loss32 - loss) > 1e-4
 
 
 def test_eval_reproduces_training_numbers(trained, capsys):

@@ -137,10 +137,11 @@ def test_vector_models_are_refused(tmp_path):
 
 
 def test_prior_free_model_exports_as_nope():
-    if "prior" not in ModelConfig.model_fields:
-        pytest.skip("this model version has no prior switch")
+    # fails (not skips) if the switch disappears: model_copy(update=...) would not notice a missing field
+    assert "prior" in ModelConfig.model_fields, "ModelConfig lost its 'prior' switch: update this test"
     m, x = random_model(), tokens()
-    m0 = SoftPriorTransformer(m.cfg.model_copy(update={"prior": False})).to(torch.float64)
+    m0 = SoftPriorTransformer(ModelConfig.model_validate({**m.cfg.model_dump(), "prior": False})).to(torch.float64)
+    assert m0.cfg.prior is False
     m0.load_state_dict(m.state_dict())
     tl = to_hooked_transformer(m0)  # its own gates are 0: no hooks, same logits as m at zero gate
     assert not tl.hook_dict["blocks.0.attn.hook_attn_scores"].fwd_hooks
@@ -175,8 +176,7 @@ def test_load_refuses_other_files(tmp_path):
 
 
 def test_static_positional_baselines_are_refused():
-    if "positional" not in ModelConfig.model_fields:
-        pytest.skip("this model version has no static positional baselines")
+    assert "positional" in ModelConfig.model_fields, "ModelConfig lost its 'positional' field: update this test"
     m = SoftPriorTransformer(ModelConfig(n_ctx=NCTX, vocab=VOCAB, positional="rope"))
     with pytest.raises(ValueError, match="rope"):
         to_hooked_transformer(m)
