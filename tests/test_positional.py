@@ -152,6 +152,22 @@ def test_kerple_clamps_negative_params_and_keeps_gradients():
     assert p.bias(pos, pos)[0, 3, 0].item() == pytest.approx(-9.0)  # r2 clamped to 2: -3^2
 
 
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
+def test_kerple_init_follows_the_reference(name):
+    """chijames/KERPLE draws bias_p ~ U(0, 2) first, then bias_a ~ U(0, 1). Log kernel
+    -p log(1 + a|i-j|): multiplier r1 = p, r2 = a. Power kernel -a|i-j|^p: multiplier r1 = a,
+    exponent r2 = p (ours had them swapped: exponent U(0, 1), multiplier U(0, 2))."""
+    H = 64  # many heads: the ranges show
+    torch.manual_seed(3)
+    s = make_scheme(name, n_heads=H, d_head=1, d_model=H, n_ctx=32, layer=0, n_layers=1)
+    torch.manual_seed(3)
+    p, a = torch.rand(H) * 2.0, torch.rand(H)  # the reference's draws, in its order
+    multiplier, inner = (p, a) if name == "kerple_log" else (a, p)
+    assert torch.equal(s.r1.detach(), multiplier) and torch.equal(s.r2.detach(), inner)
+    if name == "kerple_power":
+        assert float(s.r2.detach().max()) > 1.0 and float(s.r1.detach().max()) <= 1.0  # exponent over (0, 2), multiplier (0, 1)
+
+
 # ---------------------------------------------------------------------------------------- fire
 def test_fire_normaliser_uses_max_of_query_position_and_L():
     s = scheme("fire", n_ctx=4)  # L = |1 * 4| = 4, c = 0.1

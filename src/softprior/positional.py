@@ -284,15 +284,24 @@ class T5RelativeBias(AdditiveBias):
 
 
 class _Kerple(AdditiveBias):
-    """Shared parameters of the two KERPLE kernels: r1_h, r2_h per head, per layer."""
+    """Shared parameters of the two KERPLE kernels: r1_h (the multiplier), r2_h per head, per layer.
+
+    Init as the reference (chijames/KERPLE, ``ParallelKerpleLog`` / ``ParallelKerplePower``): it
+    draws ``bias_p ~ U(0, 2)`` first, then ``bias_a ~ U(0, 1)``, per head. In the log kernel
+    -p log(1 + a|i-j|) p is the multiplier (r1) and a the scale inside the log (r2); in the power
+    kernel -a |i-j|^p p is the exponent (r2) and a the multiplier (r1). ``exponent_p`` says which."""
 
     eps = 0.01  # the reference's floor
     r2_max: float | None = None
+    exponent_p = False  # True: r2 is the reference's p (the power kernel's exponent)
 
     def __init__(self, **dims):
         super().__init__(**dims)
-        self.r1 = nn.Parameter(torch.rand(self.n_heads) * 2.0)  # U(0, 2)
-        self.r2 = nn.Parameter(torch.rand(self.n_heads))  # U(0, 1)
+        p = torch.rand(self.n_heads) * 2.0  # bias_p ~ U(0, 2), drawn first as in the reference
+        a = torch.rand(self.n_heads)  # bias_a ~ U(0, 1)
+        r1, r2 = (a, p) if self.exponent_p else (p, a)
+        self.r1 = nn.Parameter(r1)
+        self.r2 = nn.Parameter(r2)
 
     def params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The clamped (r1, r2) actually used, each (H, 1, 1)."""
@@ -327,14 +336,15 @@ class KerplePower(_Kerple):
     """kerple_power: b_h(i, j) = -r1_h |i - j|^r2_h, r2 in (0, 2].
 
     Reference: Chi et al. 2022; chijames/KERPLE ``ParallelKerplePower``.
-    Init: r1 ~ U(0, 2), r2 ~ U(0, 1); clamped on every forward to r1 >= 0.01 and 0.01 <= r2 <= 2
-    (straight-through, see ``KerpleLog``). |i - j|^r2 is computed as exp(r2 log|i - j|) off the
+    Init (the reference's ``bias_a``, ``bias_p``): multiplier r1 ~ U(0, 1), exponent r2 ~ U(0, 2);
+    clamped on every forward to r1 >= 0.01 and 0.01 <= r2 <= 2 (straight-through, see ``KerpleLog``). |i - j|^r2 is computed as exp(r2 log|i - j|) off the
     diagonal and 0 on it, so the gradient in r2 stays finite at i = j.
     Sharing: per head per layer, as the reference.
     Beyond the training length: a formula in |i - j|; T = 120 continues the power law."""
 
     name = "kerple_power"
     r2_max = 2.0
+    exponent_p = True
 
     def bias(self, qpos, kpos):
         r1, r2 = self.params()
