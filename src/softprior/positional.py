@@ -173,10 +173,15 @@ class RoPE(PositionalScheme):
 
     Formula: for k = 0..dh/2-1, inv_freq_k = 1 / base^(2k/dh) (base 10000); at position t the pair
     (x1, x2) = (x[k], x[k + dh/2]) becomes (x1 cos(t w_k) - x2 sin(t w_k), x1 sin(t w_k) + x2 cos(t w_k)).
-    q is rotated at its query positions, k at its key positions, with the same pairing (split
-    halves, as GPT-NeoX / x-transformers), so q_i.k_j depends on positions only through i - j.
-    Reference: Su et al. 2021; x-transformers ``RotaryEmbedding``. Unlike x-transformers' default
-    (which rotates only part of the head), all dh dims are rotated, the slowest pair included.
+    q is rotated at its query positions, k at its key positions, with the same pairing, so q_i.k_j
+    depends on positions only through i - j. The pairing is the split-halves convention of GPT-NeoX
+    and Hugging Face's ``rotate_half`` (dims k and k + dh/2). x-transformers' ``RotaryEmbedding``
+    pairs adjacent dims (2k, 2k + 1) instead; the two are the same rotation up to one fixed
+    permutation of the head dims applied to both q and k, which leaves q.k unchanged and which the
+    learned Q/K projections absorb, so the function class is the same.
+    Reference: Su et al. 2021 (RoFormer), eq. 34; GPT-NeoX for the pairing; x-transformers
+    ``RotaryEmbedding`` for the base. Unlike x-transformers' default (which rotates only part of the
+    head), all dh dims are rotated, the slowest pair included.
     No parameters (nothing to share). Beyond the training length: angles t w_k for t >= n_ctx were
     never seen; the fast pairs wrap around, the slow pairs (w_7 = 10^-3.5 at dh = 16) reach angles
     never trained. RoPE is known to extrapolate poorly; we keep it as the reference has it."""
