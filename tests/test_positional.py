@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch.func import functional_call, stack_module_state, vmap
 
-from softprior.positional import (
-    BASELINES, GATED_BASELINES, SCHEMES, UnknownSchemeError, alibi_slopes, list_schemes, make_scheme,
-    t5_bucket,
-)
+from softprior.baselines import BASELINES, GATED_BASELINES, list_baselines, resolve_baseline
+from softprior.paths import GateConfig
+from softprior.positional import SCHEMES, UnknownSchemeError, alibi_slopes, make_scheme, t5_bucket
 
 DIMS = dict(n_heads=4, d_head=16, d_model=64, n_ctx=32, layer=0, n_layers=2)
 
@@ -32,20 +31,33 @@ def attend(s, q, k, qpos=None, kpos=None):
 
 # ---------------------------------------------------------------------------------------- registry
 def test_registry_lists_every_baseline():
-    names = [n for n, _ in list_schemes()]
+    """The baselines are defined once, in softprior.baselines: SPEC's thirteen names (kerple is one
+    baseline, kerple_log, with the kerple_power variant), every static one backed by a scheme."""
+    import softprior.positional as positional
+    assert not hasattr(positional, "BASELINES") and not hasattr(positional, "GATED_BASELINES")
+    names = [n for n, _ in list_baselines()]
     assert names == BASELINES
-    assert len(names) == len(set(names)) == 14  # 11 static schemes (kerple has 2) + 3 gated priors
-    assert {"soft_bias", "soft_pos_only", "soft_content_only"} <= set(names)
+    assert len(names) == len(set(names)) == 13  # 10 static schemes + 3 gated priors
+    assert set(GATED_BASELINES) == {"soft_bias", "soft_pos_only", "soft_content_only"} < set(names)
     for n, (cls, desc) in SCHEMES.items():
         assert cls.name == n and desc
-    assert GATED_BASELINES["soft_pos_only"][0]["content"] == {"mode": "fixed", "value": 0.0}
-    assert GATED_BASELINES["soft_content_only"][0]["pos"] == {"mode": "fixed", "value": 0.0}
+    for n in BASELINES:
+        opts, path = resolve_baseline(n)
+        if n in GATED_BASELINES:
+            assert opts == {}
+        else:
+            assert opts["positional"] in SCHEMES and opts["prior"] is False
+    assert resolve_baseline("kerple")[0]["positional"] == "kerple_log"
+    assert resolve_baseline("kerple_power")[0]["positional"] == "kerple_power"
+    zero = GateConfig(mode="fixed", value=0.0)
+    assert resolve_baseline("soft_pos_only")[1].content == zero and resolve_baseline("soft_pos_only")[1].pos.mode == "learned"
+    assert resolve_baseline("soft_content_only")[1].pos == zero
 
 
 def test_make_scheme_errors_name_the_fix():
     with pytest.raises(UnknownSchemeError, match="allowed: vanilla"):
         scheme("sinusoidal")
-    with pytest.raises(UnknownSchemeError, match="gated soft prior"):
+    with pytest.raises(UnknownSchemeError, match="gated soft prior.*resolve_baseline"):
         scheme("soft_bias")
     with pytest.raises(ValueError, match="bad options"):
         scheme("alibi", npos=3)

@@ -29,8 +29,8 @@ Adding a scheme: write one subclass (set ``name``; take ``**dims`` and pass them
 ``super().__init__``; override the calls it needs) and add one ``SCHEMES`` entry.
 
 The three soft-prior baselines (soft_bias, soft_pos_only, soft_content_only) are not schemes here:
-they are the model's own gated prior on top of NoPE. ``GATED_BASELINES`` describes their gate
-settings so that ``list_schemes()`` (and the CLI) can list every baseline.
+they are the model's own gated prior on top of NoPE. The list of baselines (schemes and gated priors,
+their gate settings and descriptions) lives in one place, ``softprior.baselines``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
-    "PositionalScheme", "AdditiveBias", "make_scheme", "list_schemes", "SCHEMES", "GATED_BASELINES",
-    "BASELINES", "UnknownSchemeError", "alibi_slopes", "t5_bucket",
+    "PositionalScheme", "AdditiveBias", "make_scheme", "SCHEMES", "UnknownSchemeError", "alibi_slopes", "t5_bucket",
     "LearnedAbsolute", "NoPE", "RoPE", "ALiBi", "T5RelativeBias", "KerpleLog", "KerplePower", "FIRE",
     "CoPE", "DAPE", "GPSA",
 ]
@@ -542,36 +541,17 @@ SCHEMES: dict[str, tuple[type[PositionalScheme], str]] = {
     "gpsa": (GPSA, "ConViT gated mix of content and positional (delta, delta^2) softmaxes"),
 }
 
-# The model's own gated soft prior on a NoPE backbone: {"pos"|"content": GateConfig fields}.
-GATED_BASELINES: dict[str, tuple[dict, str]] = {
-    "soft_bias": ({"pos": {"mode": "learned"}, "content": {"mode": "learned"}},
-                  "soft prior, position and content gates both learned"),
-    "soft_pos_only": ({"pos": {"mode": "learned"}, "content": {"mode": "fixed", "value": 0.0}},
-                      "soft prior, position gate learned, content gate fixed at 0"),
-    "soft_content_only": ({"pos": {"mode": "fixed", "value": 0.0}, "content": {"mode": "learned"}},
-                          "soft prior, content gate learned, position gate fixed at 0"),
-}
-
-BASELINES: list[str] = [*SCHEMES, *GATED_BASELINES]
-
-
-def list_schemes() -> list[tuple[str, str]]:
-    """(name, description) for every baseline: the static schemes, then the gated soft priors."""
-    out = [(n, d) for n, (_, d) in SCHEMES.items()]
-    out += [(n, f"{d} (provided by the model's gates, not a positional scheme)")
-            for n, (_, d) in GATED_BASELINES.items()]
-    return out
-
 
 def make_scheme(name: str, *, n_heads: int, d_head: int, d_model: int, n_ctx: int, layer: int,
                 n_layers: int, **options) -> PositionalScheme:
     """Build the scheme instance for one layer. ``options`` are scheme-specific keywords (e.g.
     ``max_len`` for vanilla, ``npos`` for cope, ``num_buckets`` for t5)."""
-    if name in GATED_BASELINES:
-        raise UnknownSchemeError(
-            f"{name!r} is the model's gated soft prior, not a positional scheme: build it with "
-            f"scheme 'nope' and gates {GATED_BASELINES[name][0]}")
     if name not in SCHEMES:
+        from .baselines import GATED_BASELINES  # the one list of baselines (it imports this module)
+        if name in GATED_BASELINES:
+            raise UnknownSchemeError(
+                f"{name!r} is the model's gated soft prior, not a positional scheme: build it with "
+                f"softprior.baselines.resolve_baseline({name!r})")
         raise UnknownSchemeError(f"unknown positional scheme {name!r}; allowed: {', '.join(SCHEMES)}")
     if n_heads * d_head != d_model:
         raise ValueError(f"n_heads * d_head must equal d_model, got {n_heads} * {d_head} != {d_model}")
