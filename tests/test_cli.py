@@ -227,6 +227,37 @@ def test_eval_length_zero_is_rejected(trained, capsys):
     assert_usage_error(rc, out, err, "0")
 
 
+@pytest.mark.parametrize("command", ["reproduce", "report"])
+@pytest.mark.parametrize("tasks,bad", [("assoc_recal", "assoc_recal"), ("linear_icl,sorting", "sorting"),
+                                       ("markov p=0.3", "markov p=0.3")])
+def test_unknown_task_filter_is_a_usage_error(tmp_path, capsys, command, tasks, bad):
+    """An unknown name in --tasks used to select nothing and print an empty table."""
+    rc, out, err = cli(capsys, command, "static_baselines", "--quick", "--tasks", tasks,
+                       "--store", str(tmp_path / "s"), "--out", str(tmp_path / "out"),
+                       *(["--no-progress"] if command == "reproduce" else []))
+    assert_usage_error(rc, out, err, repr(bad), "--tasks", "assoc_recall", "markov p=0.2")
+    assert err.startswith("softprior: error: ")
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "s" / "runs").exists() or not any((tmp_path / "s" / "runs").iterdir())
+
+
+def test_known_task_filters_are_accepted():
+    from softprior.experiments import Options, get_experiment
+    cells = get_experiment("static_baselines").build(Options(quick=True, seeds=1, tasks=("markov", "linear_icl")))
+    assert {c.col for c in cells} == {"markov p=0.2", "markov p=0.5", "markov p=0.8", "linear_icl"}
+    cells = get_experiment("static_baselines").build(Options(quick=True, seeds=1, tasks=("markov p=0.5",)))
+    assert {c.col for c in cells} == {"markov p=0.5"}
+
+
+def test_group_help_describes_the_engine_not_vmap(capsys):
+    with pytest.raises(SystemExit):
+        main(["reproduce", "--help"])
+    out = capsys.readouterr().out
+    options = out[out.index("  --group GROUP"):]
+    group_help = " ".join(options[:options.index("--address ADDRESS")].split())  # argparse wraps lines
+    assert "vmap" not in group_help and "run dimension" in group_help
+
+
 def test_unwritable_store(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")

@@ -217,11 +217,14 @@ def cmd_export(args) -> int:
     from .interop import export_transformer_lens
     if args.format != "transformer-lens":
         raise CliError(f"unknown export format {args.format!r}; allowed: transformer-lens")
+    if args.n_ctx is not None and args.n_ctx < 1:
+        raise CliError(f"--n-ctx must be a positive integer, got {args.n_ctx}")
     store = _store(args)
     cfg, model = store.load_model(args.run_id)
     gates = parse_gates(args.gates) if args.gates else None
-    export_transformer_lens(model, args.out, gates=gates)
-    print(f"wrote {args.out} (TransformerLens config + state dict of run {cfg.run_id})")
+    path = export_transformer_lens(model, args.out, gates=gates, n_ctx=args.n_ctx)
+    print(f"wrote {path} (TransformerLens config + state dict of run {cfg.run_id}, "
+          f"inputs up to {args.n_ctx or cfg.model.n_ctx} tokens)")
     return 0
 
 
@@ -280,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "reproduce":
             r.add_argument("--executor", default="local", choices=["local", "ray"])
             r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray)")
-            r.add_argument("--group", type=int, default=1, help="runs trained together in one process (vmap)")
+            r.add_argument("--group", type=int, default=1, help="runs trained together in one process, their "
+                           "parameters stacked on a run dimension (engine.train_group)")
             r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
             r.add_argument("--device", default=None, help="where grouped runs (--group > 1) train, e.g. cuda "
                            "(default: $SOFTPRIOR_DEVICE or cpu)")
@@ -303,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", default="transformer-lens")
     ex.add_argument("--out", required=True)
     ex.add_argument("--gates", default=None, help="gates baked into the export, e.g. pos=0,content=0")
+    ex.add_argument("--n-ctx", type=int, default=None, help="longest input the exported model accepts "
+                    "(default: the training context; e.g. 120 for the length test)")
     ex.add_argument("--store", default="runs")
     ex.set_defaults(fn=cmd_export)
     sub.add_parser("paths", help="list training paths").set_defaults(fn=cmd_paths)

@@ -17,10 +17,14 @@ from typing import Callable
 from .config import RunConfig, make_run_config
 
 __all__ = ["Eval", "Cell", "Experiment", "Options", "register_experiment", "get_experiment", "list_experiments",
-           "load_plugin", "UnknownExperimentError", "NORMAL", "ZERO"]
+           "load_plugin", "UnknownExperimentError", "UnknownTaskFilterError", "NORMAL", "ZERO"]
 
 
 class UnknownExperimentError(ValueError):
+    pass
+
+
+class UnknownTaskFilterError(ValueError):
     pass
 
 
@@ -51,7 +55,14 @@ class Cell:
 class Options:
     seeds: int | None = None  # None: the experiment's (paper's) seed count
     quick: bool = False
-    tasks: tuple[str, ...] | None = None
+    tasks: tuple[str, ...] | None = None  # a filter: labels or task names of TASK_VARIANTS
+
+    def __post_init__(self):
+        if self.tasks is not None:
+            allowed = list(dict.fromkeys([*TASK_VARIANTS, *(t for t, _ in TASK_VARIANTS.values())]))
+            for t in self.tasks:
+                if t not in allowed:  # a typo would otherwise select nothing: an empty table
+                    raise UnknownTaskFilterError(f"unknown task {t!r} in --tasks; allowed: {', '.join(allowed)}")
 
     def n_seeds(self, default: int) -> int:
         if self.seeds is not None:
