@@ -36,7 +36,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from . import fastpath
 from .config import RunConfig
 from .optim import AdamW
-from .runtime import prepare_training
+from .runtime import training_settings
 from .train import RunResult, TrainingDiverged, build_model, param_groups, run_summary, seeded_generator
 from .tasks import make_task
 
@@ -59,14 +59,19 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     """Train ``cfgs`` together. ``device``: where the stacked parameters and batches live (default
     ``$SOFTPRIOR_DEVICE`` or ``cpu``; e.g. ``cuda``). Data is drawn on the CPU from each run's own
     generator and copied over, so a run's numbers depend only on its config, not on the device's RNG.
-    Results (weights, metrics) come back on the CPU."""
+    Results (weights, metrics) come back on the CPU. Runs inside ``runtime.training_settings()``
+    (flush-to-zero on while training, restored afterwards)."""
     if not cfgs:
         return []
     keys = {group_key(c) for c in cfgs}
     if len(keys) != 1:
         raise ValueError("train_group needs configs that differ only in path, seed and grad_clip")
+    with training_settings():
+        return _train_group(cfgs, init_states, progress, device)
+
+
+def _train_group(cfgs, init_states, progress, device) -> list[RunResult]:
     t0 = time.perf_counter()
-    prepare_training()
     dev = torch.device(device or os.environ.get("SOFTPRIOR_DEVICE") or "cpu")
     K, c0 = len(cfgs), cfgs[0]
     task = make_task(c0.task)

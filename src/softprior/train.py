@@ -31,7 +31,7 @@ from .config import RunConfig
 from .fastpath import model_forward
 from .model import SoftPriorTransformer
 from .optim import AdamW
-from .runtime import prepare_training
+from .runtime import training_settings
 from .tasks import Task, make_task
 
 __all__ = ["train", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator"]
@@ -106,9 +106,16 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
     resume: a checkpoint dict previously passed to ``on_checkpoint``; training continues from it
         bit-identically to an uninterrupted run.
     on_checkpoint: called every ``cfg.checkpoint_every`` steps with a dict of tensors + metadata.
+
+    Runs inside ``runtime.training_settings()``: flush-to-zero is on while training and restored
+    afterwards (the caller's float behaviour is unchanged by a run).
     """
+    with training_settings():
+        return _train(cfg, init_state=init_state, resume=resume, on_checkpoint=on_checkpoint, progress=progress)
+
+
+def _train(cfg: RunConfig, *, init_state, resume, on_checkpoint, progress) -> RunResult:
     t0 = time.perf_counter()
-    prepare_training()
     task = make_task(cfg.task)
     T, steps = cfg.model.n_ctx, cfg.total_steps
     model = build_model(cfg)
