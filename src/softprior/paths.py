@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .schedules import Constant, Fade, HardSwitch, Linear, Schedule
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli is the same parser (a dependency there, see pyproject.toml)
+    import tomli as tomllib
 
 __all__ = [
     "GateConfig", "PathConfig", "get_path", "register_path", "list_paths", "load_path_file",
