@@ -15,6 +15,20 @@ class CliError(Exception):
     pass
 
 
+def _one_line(msg: str) -> str:
+    """``msg`` with every non-printable character (newlines included) escaped as ``repr`` does, so an
+    error is always one line, whatever the user typed."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(msg))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line, ``softprior: error: ...``, exit code 2
+    (argparse's default prints the usage block first)."""
+
+    def error(self, message):
+        self.exit(2, f"softprior: error: {_one_line(message)} (see '{self.prog} --help')\n")
+
+
 def _format_validation_error(e) -> str:
     parts = []
     for err in e.errors():
@@ -155,7 +169,7 @@ def _experiment(args):
     for f in args.plugin or []:
         load_plugin(f)
     exp = get_experiment(args.name)
-    tasks = tuple(t.strip() for t in args.tasks.split(",")) if getattr(args, "tasks", None) else None
+    tasks = tuple(t.strip() for t in args.tasks.split(",")) if getattr(args, "tasks", None) is not None else None
     opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks)
     if opts.seeds is not None and opts.seeds < 1:
         raise CliError(f"--seeds must be >= 1, got {opts.seeds}")
@@ -164,6 +178,9 @@ def _experiment(args):
 
 def cmd_reproduce(args) -> int:
     from .executors import execute
+    for flag, v in (("--workers", args.workers), ("--group", args.group)):
+        if v < 1:
+            raise CliError(f"{flag} must be >= 1, got {v}")
     exp, cells = _experiment(args)
     if args.device:
         import os
@@ -241,7 +258,7 @@ def cmd_tasks(args) -> int:
 # ------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     from .model import MODEL_PRESETS
-    p = argparse.ArgumentParser(prog="softprior", description="Annealable soft-prior Transformers: train, "
+    p = _Parser(prog="softprior", description="Annealable soft-prior Transformers: train, "
                                 "evaluate and reproduce circuit-removability experiments.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -328,10 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ValidationError as e:
-        print(f"softprior: error: invalid configuration: {_format_validation_error(e)}", file=sys.stderr)
+        print(f"softprior: error: invalid configuration: {_one_line(_format_validation_error(e))}", file=sys.stderr)
     except (CliError, StoreError, ValueError, KeyError, RuntimeError, ImportError) as e:
-        msg = e.args[0] if e.args else str(e)
-        print(f"softprior: error: {msg}", file=sys.stderr)
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"softprior: error: {_one_line(msg)}", file=sys.stderr)
     except KeyboardInterrupt:
         print("softprior: interrupted", file=sys.stderr)
         return 130

@@ -263,7 +263,7 @@ class RunStore:
     # ------------------------------------------------------------------ reading
     def _row(self, run_id: str):
         if not run_id:
-            raise RunNotFoundError("empty run id")
+            raise RunNotFoundError(f"empty run id {run_id!r}; give a run id or a prefix of one")
         with self._connect() as db:
             rows = db.execute("SELECT * FROM runs WHERE substr(run_id, 1, ?) = ?", (len(run_id), run_id)).fetchall()
         if not rows:
