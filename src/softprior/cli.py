@@ -245,6 +245,20 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_store_verify(args) -> int:
+    from .integrity import verify_store
+    report = verify_store(args.store, repair=args.repair)
+    for line in report.lines():
+        print(line)
+    if report.healthy:
+        return 0
+    if not args.repair:
+        return 1
+    after = verify_store(args.store)  # what the repair left
+    print("after repair: " + after.lines()[0])
+    return 0 if after.healthy else 1
+
+
 def cmd_paths(args) -> int:
     from .paths import list_paths
     return _print_rows(list_paths())
@@ -328,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the training context; e.g. 120 for the length test)")
     ex.add_argument("--store", default="runs")
     ex.set_defaults(fn=cmd_export)
+    st = sub.add_parser("store", help="check the run store").add_subparsers(dest="store_command", required=True)
+    sv = st.add_parser("verify", help="check every finished run's files against the SHA-256 checksums recorded when "
+                       "they were written, and the index (exit 1 if anything is damaged)")
+    sv.add_argument("--repair", action="store_true", help="re-queue only the damaged runs (records deleted, files moved "
+                    "to STORE/damaged/); rebuild a damaged index from the run directories")
+    sv.add_argument("--store", default="runs")
+    sv.set_defaults(fn=cmd_store_verify)
     sub.add_parser("paths", help="list training paths").set_defaults(fn=cmd_paths)
     sub.add_parser("tasks", help="list tasks").set_defaults(fn=cmd_tasks)
     return p
