@@ -114,3 +114,18 @@ def test_a_model_without_prior_trains_at_zero_gates_in_a_group_as_alone():
     from softprior.train import build_model
     init = build_model(cfgs[0]).state_dict()
     assert torch.equal(grouped[0].state_dict["blocks.0.attn.pos_bias"], init["blocks.0.attn.pos_bias"])
+
+
+@pytest.mark.parametrize("baseline", ["rope", "soft_pos_only"])
+def test_static_and_gated_baselines_in_a_group_match_runs_alone(baseline):
+    """The vmapped readable model (static schemes) and the fast path (soft_* baselines) take their
+    per-step gates from the same rules as train.train (train.step_gates)."""
+    cfgs = [tiny_config(seed=s, baseline=baseline, steps=10, eval_every=5) for s in (0, 1)]
+    for cfg, g in zip(cfgs, train_group(cfgs)):
+        alone = train(cfg)
+        for ra, rg in zip(alone.metrics, g.metrics):
+            assert ra.keys() == rg.keys()
+            for k in ra:
+                assert ra[k] == pytest.approx(rg[k], rel=1e-5, abs=1e-5), (baseline, k)
+        for name, w in alone.state_dict.items():
+            assert torch.allclose(w, g.state_dict[name], atol=1e-5), (baseline, name)
