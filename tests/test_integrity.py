@@ -4,7 +4,6 @@ id and file, only damaged runs re-queued, nothing else lost."""
 from __future__ import annotations
 
 import hashlib
-import json
 import sqlite3
 from pathlib import Path
 
