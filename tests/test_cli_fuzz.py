@@ -177,14 +177,14 @@ def test_malformed_command_lines(store, data, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------ path files
-JSON = st.recursive(st.none() | st.booleans() | st.floats(allow_nan=False) | st.integers() | TEXT,
+JSON = st.recursive(st.none() | st.booleans() | st.floats(allow_nan=False, allow_subnormal=False) | st.integers() | TEXT,
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
                     max_leaves=8)
 CORRUPTIONS = st.one_of(
-    st.floats(allow_nan=False).filter(lambda f: not 0 <= f < 1).map(lambda f: {"prior_dropout": f}),
+    st.floats(allow_nan=False, allow_subnormal=False).filter(lambda f: not 0 <= f < 1).map(lambda f: {"prior_dropout": f}),
     TEXT.filter(lambda m: m not in ("learned", "fixed", "scheduled")).map(lambda m: {"pos": {"mode": m}}),
     st.just({"content": {"mode": "fixed"}}),  # fixed without a value
-    st.floats(allow_nan=False).filter(lambda f: not 0 <= f <= 1).map(lambda f: {"pos": {"mode": "fixed", "value": f}}),
+    st.floats(allow_nan=False, allow_subnormal=False).filter(lambda f: not 0 <= f <= 1).map(lambda f: {"pos": {"mode": "fixed", "value": f}}),
     st.integers(max_value=0).map(lambda n: {"steps": n}),
     st.tuples(TEXT, JSON).map(lambda kv: {"zz_" + kv[0]: kv[1]}),  # an unknown field
     st.just({"pos": {"mode": "scheduled", "schedule": {"kind": "nonexistent"}}}),

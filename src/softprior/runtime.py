@@ -38,8 +38,9 @@ does not leave it behind: ``train``, ``train_group`` (and so every sweep) run in
 ``training_settings()``, which switches it on and, on exit, restores the calling thread's previous
 setting on this thread and on every OpenMP thread (a notebook that trains a model and then computes
 something with denormals gets the IEEE behaviour it had before). ``prepare_training()`` is the
-unscoped form: it applies both settings for the rest of the process (``softprior bench`` and
-``benchmarks/`` use it, timing code that runs outside ``train``). The allocator setting is
+unscoped form: it applies both settings for the rest of the process (the scripts in
+``benchmarks/`` use it, timing code that runs outside ``train``; ``softprior bench`` runs inside
+``training_settings()`` too). The allocator setting is
 process-wide in either case; it changes no numbers, only where freed memory goes.
 """
 
