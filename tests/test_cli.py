@@ -91,6 +91,30 @@ def test_train_other_tasks(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ eval
+def _by_hand(store, run_id, length, g_pos, g_content):
+    """Accuracy and loss of a stored run computed independently of ``softprior eval``: the weights
+    read straight from final.safetensors into the readable model, every position computed, the
+    answer read at the last one, cross-entropy and argmax written out here."""
+    import torch
+    from safetensors.torch import load_file
+
+    from softprior.config import RunConfig
+    from softprior.model import SoftPriorTransformer
+    from softprior.tasks import make_task
+
+    d = __import__("pathlib").Path(store) / "runs" / run_id
+    cfg = RunConfig.model_validate_json((d / "config.json").read_text())
+    model = SoftPriorTransformer(cfg.model)
+    model.load_state_dict(load_file(str(d / "final.safetensors")))
+    val = make_task(cfg.task).sample(cfg.n_val, length, torch.Generator().manual_seed(cfg.val_seed))
+    with torch.no_grad():
+        logits = model(val.inputs, g_pos, g_content)[:, -1]  # [n_val, vocab]
+    logp = logits - logits.logsumexp(-1, keepdim=True)
+    loss = -logp.gather(1, val.targets[:, None]).mean()
+    acc = (logits.argmax(-1) == val.targets).float().mean()
+    return float(acc), float(loss), cfg
+
+
 def test_eval_zero_gates_at_length_120(trained, capsys):
     store, s, _, _ = trained
     rc, out, _ = cli(capsys, "eval", s["run_id"], "--gates", "pos=0,content=0", "--length", "120",
@@ -99,7 +123,14 @@ def test_eval_zero_gates_at_length_120(trained, capsys):
     e = last_json(out)
     assert e["run_id"] == s["run_id"] and e["length"] == 120
     assert e["g_pos"] == 0.0 and e["g_content"] == 0.0
-    assert e["metric"] == "acc" and 0.0 <= e["acc"] <= 1.0
+    acc, loss, cfg = _by_hand(store, s["run_id"], 120, 0.0, 0.0)
+    assert e["metric"] == "acc"
+    assert abs(e["acc"] - acc) <= 1.0 / cfg.n_val  # at most one near-tie flipped by rounding
+    assert e["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    assert e["chance"] == pytest.approx(1.0 / cfg.task.n_pairs)
+    # and these are not the training-length numbers (so a --length that is ignored would fail here)
+    _, loss32, _ = _by_hand(store, s["run_id"], 32, 0.0, 0.0)
+    assert abs(loss32 - loss) > 1e-4
 
 
 def test_eval_reproduces_training_numbers(trained, capsys):
@@ -196,6 +227,37 @@ def test_eval_length_zero_is_rejected(trained, capsys):
     assert_usage_error(rc, out, err, "0")
 
 
+@pytest.mark.parametrize("command", ["reproduce", "report"])
+@pytest.mark.parametrize("tasks,bad", [("assoc_recal", "assoc_recal"), ("linear_icl,sorting", "sorting"),
+                                       ("markov p=0.3", "markov p=0.3")])
+def test_unknown_task_filter_is_a_usage_error(tmp_path, capsys, command, tasks, bad):
+    """An unknown name in --tasks used to select nothing and print an empty table."""
+    rc, out, err = cli(capsys, command, "static_baselines", "--quick", "--tasks", tasks,
+                       "--store", str(tmp_path / "s"), "--out", str(tmp_path / "out"),
+                       *(["--no-progress"] if command == "reproduce" else []))
+    assert_usage_error(rc, out, err, repr(bad), "--tasks", "assoc_recall", "markov p=0.2")
+    assert err.startswith("softprior: error: ")
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "s" / "runs").exists() or not any((tmp_path / "s" / "runs").iterdir())
+
+
+def test_known_task_filters_are_accepted():
+    from softprior.experiments import Options, get_experiment
+    cells = get_experiment("static_baselines").build(Options(quick=True, seeds=1, tasks=("markov", "linear_icl")))
+    assert {c.col for c in cells} == {"markov p=0.2", "markov p=0.5", "markov p=0.8", "linear_icl"}
+    cells = get_experiment("static_baselines").build(Options(quick=True, seeds=1, tasks=("markov p=0.5",)))
+    assert {c.col for c in cells} == {"markov p=0.5"}
+
+
+def test_group_help_describes_the_engine_not_vmap(capsys):
+    with pytest.raises(SystemExit):
+        main(["reproduce", "--help"])
+    out = capsys.readouterr().out
+    options = out[out.index("  --group GROUP"):]
+    group_help = " ".join(options[:options.index("--address ADDRESS")].split())  # argparse wraps lines
+    assert "vmap" not in group_help and "run dimension" in group_help
+
+
 def test_unwritable_store(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
@@ -214,8 +276,12 @@ def test_missing_positional_run_id_is_a_usage_error(capsys):
 
 
 def test_bench_json_reports_the_issue_figures(capsys):
-    """A smoke run of the benchmark (figures are printed, never asserted on beyond being positive)."""
+    """A smoke run of the benchmark (figures are printed, never asserted on beyond being positive).
+    It leaves the process's flush-to-zero setting as it found it (runtime.training_settings)."""
+    from softprior.runtime import denormals_flushed
+    flushed_before = denormals_flushed()
     assert main(["bench", "--quick", "--json", "--group", "2", "--sweep", "2", "--sweep-steps", "20"]) == 0
+    assert denormals_flushed() == flushed_before
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("gemm_gflops", "single_ms_per_step", "group_ms_per_run_step", "reference_ms_per_step", "mfu"):
         assert res[key] > 0, key

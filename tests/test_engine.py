@@ -93,3 +93,39 @@ def test_model_matches_the_plain_reference_in_logits_and_gradients():
         assert torch.allclose(blk.attn.out_proj.weight.grad, ra.o.weight.grad, atol=1e-5, rtol=1e-4)
     assert torch.allclose(ours.embed.weight.grad, ref.embed.weight.grad, atol=1e-5, rtol=1e-4)
     assert torch.allclose(ours.gate_logits.grad.view(2), ref.gate_logits.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_model_without_prior_trains_at_zero_gates_in_a_group_as_alone():
+    """``prior=False`` means gates 0 (``SoftPriorTransformer.gates``), whatever the path says. The
+    grouped engine used to take sigmoid(logit) = 0.5 for learned gates instead: with
+    ``positional="none"`` a grouped run then trained with the soft prior on while a single run did not."""
+    cfgs = [tiny_config(path="unforced", seed=s, model_options={"prior": False, "positional": "none"})
+            for s in (0, 1)]
+    grouped = train_group(cfgs)
+    for cfg, g in zip(cfgs, grouped):
+        alone = train(cfg)
+        for name, w in alone.state_dict.items():
+            assert torch.allclose(w, g.state_dict[name], atol=1e-5), name
+        for ra, rg in zip(alone.metrics, g.metrics):
+            # prior off: normal evaluation is the zero-gate evaluation, in both engines
+            assert rg["normal_acc"] == rg["zero_acc"] and ra["normal_acc"] == ra["zero_acc"]
+            assert ra["train_loss"] == pytest.approx(rg["train_loss"], rel=1e-5, abs=1e-5)
+    # and the prior table (which gates 0 never reach) gets no gradient: it keeps its initial value
+    from softprior.train import build_model
+    init = build_model(cfgs[0]).state_dict()
+    assert torch.equal(grouped[0].state_dict["blocks.0.attn.pos_bias"], init["blocks.0.attn.pos_bias"])
+
+
+@pytest.mark.parametrize("baseline", ["rope", "soft_pos_only"])
+def test_static_and_gated_baselines_in_a_group_match_runs_alone(baseline):
+    """The vmapped readable model (static schemes) and the fast path (soft_* baselines) take their
+    per-step gates from the same rules as train.train (train.step_gates)."""
+    cfgs = [tiny_config(seed=s, baseline=baseline, steps=10, eval_every=5) for s in (0, 1)]
+    for cfg, g in zip(cfgs, train_group(cfgs)):
+        alone = train(cfg)
+        for ra, rg in zip(alone.metrics, g.metrics):
+            assert ra.keys() == rg.keys()
+            for k in ra:
+                assert ra[k] == pytest.approx(rg[k], rel=1e-5, abs=1e-5), (baseline, k)
+        for name, w in alone.state_dict.items():
+            assert torch.allclose(w, g.state_dict[name], atol=1e-5), (baseline, name)

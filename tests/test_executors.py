@@ -118,21 +118,52 @@ def test_a_failing_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert "1 failed" in report.line()
 
 
-def test_failing_run_inside_a_group_does_not_spoil_the_others(tmp_path):
+def test_failing_run_inside_a_group_does_not_spoil_the_others(tmp_path, monkeypatch):
     store = RunStore(tmp_path / "s")
     cfgs = [tiny_config(seed=0), tiny_config(seed=1, grad_clip=None), tiny_config(seed=2)]
-    # same group key, but one run raises: patch the group trainer to fail, forcing the single-run fallback
+    # same group key, but the group engine raises: the driver falls back to single runs
     import softprior.engine as engine
-    orig = engine.train_group
 
     def boom(cfgs_, **kw):
         raise RuntimeError("group failure")
-    engine.train_group = boom
-    try:
-        report = execute(cfgs, store, group_size=3, progress=False)
-    finally:
-        engine.train_group = orig
+    monkeypatch.setattr(engine, "train_group", boom)
+    report = execute(cfgs, store, group_size=3, progress=False)
     assert report.trained == 3 and not report.failed
+
+
+def test_group_engine_exception_is_recorded_with_traceback_before_the_fallback(tmp_path, monkeypatch, capsys):
+    """The engine's exception used to be swallowed (the runs were silently retrained one by one)."""
+    import softprior.engine as engine
+    from conftest import patch_train
+
+    store = RunStore(tmp_path / "s")
+    cfgs = [tiny_config(seed=s, steps=5) for s in range(3)]
+
+    def exploding_group_engine(cfgs_, **kw):
+        raise ZeroDivisionError("stacked step went wrong")
+    monkeypatch.setattr(engine, "train_group", exploding_group_engine)
+    errors_seen_by_fallback = []
+
+    def single(cfg, *a, **kw):  # the fallback's single runs: the error must already be in the store
+        errors_seen_by_fallback.append(len(store.engine_errors()))
+        return orig(cfg, *a, **kw)
+    orig = patch_train(monkeypatch, single)
+
+    report = execute(cfgs, store, group_size=3, progress=False)
+    assert report.trained == 3 and not report.failed
+    assert errors_seen_by_fallback == [1, 1, 1]
+    (rec,) = store.engine_errors()
+    assert rec["run_ids"] == [c.run_id for c in cfgs]
+    assert rec["error"].startswith("ZeroDivisionError: stacked step went wrong")
+    assert "Traceback (most recent call last)" in rec["error"] and "exploding_group_engine" in rec["error"]
+    # the sweep summary reports it
+    assert report.engine_errors == [([c.run_id for c in cfgs], rec["error"])]
+    line = report.line()
+    assert "1 group engine error" in line and "ENGINE ERROR in a group of 3 runs" in line
+    assert "ZeroDivisionError: stacked step went wrong" in line
+    assert "ZeroDivisionError" in capsys.readouterr().err
+    # and a store reopened later still has it
+    assert RunStore(tmp_path / "s").engine_errors() == [rec]
 
 
 def test_cli_reproduce_exit_code_reports_failures(tmp_path):

@@ -137,10 +137,11 @@ def test_vector_models_are_refused(tmp_path):
 
 
 def test_prior_free_model_exports_as_nope():
-    if "prior" not in ModelConfig.model_fields:
-        pytest.skip("this model version has no prior switch")
+    # fails (not skips) if the switch disappears: model_copy(update=...) would not notice a missing field
+    assert "prior" in ModelConfig.model_fields, "ModelConfig lost its 'prior' switch: update this test"
     m, x = random_model(), tokens()
-    m0 = SoftPriorTransformer(m.cfg.model_copy(update={"prior": False})).to(torch.float64)
+    m0 = SoftPriorTransformer(ModelConfig.model_validate({**m.cfg.model_dump(), "prior": False})).to(torch.float64)
+    assert m0.cfg.prior is False
     m0.load_state_dict(m.state_dict())
     tl = to_hooked_transformer(m0)  # its own gates are 0: no hooks, same logits as m at zero gate
     assert not tl.hook_dict["blocks.0.attn.hook_attn_scores"].fwd_hooks
@@ -175,8 +176,7 @@ def test_load_refuses_other_files(tmp_path):
 
 
 def test_static_positional_baselines_are_refused():
-    if "positional" not in ModelConfig.model_fields:
-        pytest.skip("this model version has no static positional baselines")
+    assert "positional" in ModelConfig.model_fields, "ModelConfig lost its 'positional' field: update this test"
     m = SoftPriorTransformer(ModelConfig(n_ctx=NCTX, vocab=VOCAB, positional="rope"))
     with pytest.raises(ValueError, match="rope"):
         to_hooked_transformer(m)
@@ -197,3 +197,34 @@ def test_cli_export_of_a_stored_run(tmp_path, capsys):
         assert torch.allclose(tl(tokens), ours(tokens), atol=1e-4, rtol=1e-5)
     assert main(["export", rid, "--format", "onnx", "--out", str(out), "--store", store]) == 2
     assert "allowed: transformer-lens" in capsys.readouterr().err
+
+
+def test_cli_export_with_n_ctx_runs_at_length_40(tmp_path, capsys):
+    """``softprior export --n-ctx 120``: the exported model accepts T=40 (beyond the training context
+    of 32, where the default export raises) and computes our model's logits there."""
+    from softprior.cli import main
+    from softprior.config import make_run_config
+    from softprior.store import RunStore
+
+    store = str(tmp_path / "store")
+    assert main(["train", "--path", "unforced", "--steps", "5", "--store", store, "--json", "--no-progress"]) == 0
+    rid = make_run_config("assoc_recall", "unforced", 0, steps=5).run_id
+    out = tmp_path / "m.safetensors"
+    capsys.readouterr()
+    assert main(["export", rid, "--out", str(out), "--n-ctx", "120", "--store", store]) == 0
+    assert "120" in capsys.readouterr().out
+    tl = load_transformer_lens(out)
+    assert tl.cfg.n_ctx == 120
+    _, model = RunStore(store).load_model(rid)
+    x = torch.randint(0, 32, (4, 40), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(theirs(tl, x), ours(model, x, None), rtol=1e-4, atol=1e-4)
+
+    default = tmp_path / "d.safetensors"
+    assert main(["export", rid, "--out", str(default), "--store", store]) == 0
+    assert load_transformer_lens(default).cfg.n_ctx == 32  # the training context, as before
+
+    capsys.readouterr()
+    assert main(["export", rid, "--out", str(tmp_path / "bad.safetensors"), "--n-ctx", "0", "--store", store]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("softprior: error: --n-ctx") and "0" in err[0]
+    assert not (tmp_path / "bad.safetensors").exists()

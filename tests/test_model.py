@@ -139,15 +139,51 @@ def test_gates_are_separate(model, x):
 
 
 def test_zero_gates_ignore_bias_hooks(model, x):
-    """Layout-free version: replacing the bias tensors themselves changes nothing at gate 0."""
+    """Layout-free version: replacing the bias tensors themselves changes nothing at gate 0, and
+    each replacement does change the output once its own gate is on (so each check can fail: the
+    content bias used to be observe-only, its replacement silently dropped)."""
     noise = lambda t, name: 5.0 * torch.randn_like(t)  # noqa: E731
-    names = [n for n in model.hook_names() if n.endswith(("hook_pos_bias", "hook_content_bias"))]
-    assert len(names) == 2 * model.cfg.n_layers
+    for kind, gates_on in (("hook_pos_bias", (0.5, 0.0)), ("hook_content_bias", (0.0, 0.5))):
+        names = [n for n in model.hook_names() if n.endswith(kind)]
+        assert len(names) == model.cfg.n_layers
+        with torch.no_grad():
+            ref, ref_on = model(x, 0.0, 0.0), model(x, *gates_on)
+            with model.hooks([(n, noise) for n in names]):
+                torch.testing.assert_close(model(x, 0.0, 0.0), ref, atol=1e-6, rtol=0)
+                assert not torch.allclose(model(x, *gates_on), ref_on, atol=1e-3), kind
+
+
+def test_replaced_content_bias_enters_the_logits_gated():
+    """A hook that returns B^content unchanged (a copy) keeps the logits; one that returns 2 B^content
+    equals doubling the content gate: the replacement sits exactly where B^content is in the equation."""
+    m = _perturbed(make_model(), content=True)
+    names = [n for n in m.hook_names() if n.endswith("hook_content_bias")]
+    xx = tokens()
     with torch.no_grad():
-        ref = model(x, 0.0, 0.0)
-        with model.hooks([(n, noise) for n in names]):
-            torch.testing.assert_close(model(x, 0.0, 0.0), ref, atol=1e-6, rtol=0)
-            assert not torch.allclose(model(x, 0.5, 0.5), ref, atol=1e-3)
+        ref, doubled_gate = m(xx, 0.3, 0.2), m(xx, 0.3, 0.4)
+        with m.hooks([(n, lambda t, name: t.clone()) for n in names]):  # unfused, same equation
+            torch.testing.assert_close(m(xx, 0.3, 0.2), ref, atol=1e-4, rtol=1e-5)
+        with m.hooks([(n, lambda t, name: 2.0 * t) for n in names]):
+            torch.testing.assert_close(m(xx, 0.3, 0.2), doubled_gate, atol=1e-4, rtol=1e-5)
+        assert not torch.allclose(ref, doubled_gate, atol=1e-2)
+
+
+def test_replacing_an_observe_only_hook_is_an_error(model, x):
+    """hook_result is computed for inspection; the forward uses hook_z. A replacement there used to
+    be silently ignored."""
+    from softprior.model import OBSERVE_ONLY_HOOKS, HookError
+    assert OBSERVE_ONLY_HOOKS == ("hook_result",)
+    name = "blocks.1.attn.hook_result"
+    seen = []
+    with torch.no_grad(), model.hooks([(name, lambda t, n: seen.append(t.shape))]):
+        model(x)  # observing is fine
+    assert seen == [(B, T, model.cfg.n_heads, model.cfg.d_model)]
+
+    def zero_heads(t, n):
+        return torch.zeros_like(t)
+    with torch.no_grad(), model.hooks([(name, zero_heads)]):
+        with pytest.raises(HookError, match=r"zero_heads.*blocks\.1\.attn\.hook_result.*observe-only.*hook_z"):
+            model(x)
 
 
 def test_learned_gates_start_at_half(model):
@@ -173,6 +209,40 @@ def test_gate_granularity(gran, shape, x):
         m.gate_logits[0].fill_(-1e4)  # position gate -> 0
         m.gate_logits[1].fill_(-1e4)
         torch.testing.assert_close(m(x), m(x, 0.0, 0.0))
+
+
+def test_per_layer_gate_tensor_is_per_layer_when_layers_equal_heads():
+    """Large preset: L = H = 4. A forced [L] tensor must give layer l the value v[l] in every head
+    (broadcasting it as [H] would give head h the value v[h] in every layer instead)."""
+    m = make_model(preset="large")
+    L, H = m.cfg.n_layers, m.cfg.n_heads
+    assert L == H == 4
+    v = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    gp, gc = m.gates(v, 0.0)
+    for l in range(L):
+        for h in range(H):
+            assert gp[l, h] == v[l], (l, h)
+    assert torch.equal(gc, torch.zeros(L, H))
+    # the spellings of "per layer" agree, "per head" is a different gate, [L, H] is taken as is
+    assert torch.equal(m.gates(v[:, None])[0], gp)
+    assert torch.equal(m.gates(v[None, :])[0], gp.T)
+    full = torch.rand(L, H, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(m.gates(full)[0], full)
+    # and the forward uses it per layer: only layer 0's gate is on -> layers 1..3 see no prior
+    xx = tokens()
+    with torch.no_grad():
+        only_l0 = torch.tensor([1.0, 0.0, 0.0, 0.0])
+        manual = torch.zeros(L, H)
+        manual[0] = 1.0
+        torch.testing.assert_close(m(xx, only_l0, 0.0), m(xx, manual, 0.0), atol=0, rtol=0)
+        assert not torch.allclose(m(xx, only_l0, 0.0), m(xx, manual.T, 0.0), atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 3), (4, 2), (1, 1, 4), (4,)])
+def test_gate_tensor_of_a_wrong_shape_is_a_clear_error(model, shape):
+    # base model: L = 2, H = 4. [4] (a per-head vector) is refused too: 1-D means per layer.
+    with pytest.raises(ValueError, match=r"position gate tensor of shape .* L=2 layers and H=4 heads"):
+        model.gates(torch.full(shape, 0.5), None)
 
 
 def test_learned_gate_gets_gradient_forced_gate_does_not(x):

@@ -80,3 +80,57 @@ def test_no_dynamo_import_in_a_training_run():
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split()[-1] == "False"
+
+
+# ------------------------------------------------------------------ fallback where the fused kernel is missing
+@pytest.fixture
+def no_fused_kernel(monkeypatch):
+    """torch without ``_fused_adamw_`` (or with it, but no CPU kernel: torch 2.2/2.3)."""
+    import softprior.optim as optim
+    monkeypatch.setattr(optim, "_FUSED_OK", {}, raising=False)
+    monkeypatch.delattr(torch, "_fused_adamw_")
+    return optim
+
+
+def test_fallback_to_torch_adamw_when_the_fused_kernel_is_missing(no_fused_kernel):
+    assert not no_fused_kernel.fused_available("cpu")
+    w1, b1, ours = _train(AdamW)
+    w2, b2, theirs = _train(torch.optim.AdamW, fused=False, foreach=False)
+    assert torch.equal(w1, w2) and torch.equal(b1, b2)  # it is torch's non-fused AdamW
+    so, st = ours.state_dict(), theirs.state_dict()
+    for i in st["state"]:
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(so["state"][i][k], st["state"][i][k]), (i, k)
+    assert float(so["state"][0]["step"]) == 25.0  # counted once per step, not twice
+
+
+def test_fallback_when_the_kernel_has_no_cpu_backend(monkeypatch):
+    import softprior.optim as optim
+
+    def no_cpu_kernel(*a, **kw):  # what torch 2.2 raises on CPU tensors
+        raise NotImplementedError("Could not run 'aten::_fused_adamw_' with arguments from the 'CPU' backend.")
+    monkeypatch.setattr(optim, "_FUSED_OK", {}, raising=False)
+    monkeypatch.setattr(torch, "_fused_adamw_", no_cpu_kernel)
+    assert not optim.fused_available("cpu")
+    w1, _, _ = _train(AdamW, steps=5)
+    w2, _, _ = _train(torch.optim.AdamW, steps=5, fused=False, foreach=False)
+    assert torch.equal(w1, w2)
+
+
+def test_fallback_result_matches_the_fused_update_and_resumes_from_its_state(no_fused_kernel, monkeypatch):
+    w_fb, b_fb, fb = _train(AdamW, steps=10)
+    monkeypatch.undo()  # the fused kernel is back
+    w_f, b_f, fused = _train(AdamW, steps=10)
+    torch.testing.assert_close(w_fb, w_f, rtol=1e-6, atol=1e-6)  # same algorithm; rounding may differ
+    # a checkpoint written by the fallback resumes with the fused kernel, and vice versa
+    w_a, _, _ = _train(AdamW, steps=5, state=fb.state_dict())
+    w_b, _, _ = _train(AdamW, steps=5, state=fused.state_dict())
+    torch.testing.assert_close(w_a, w_b, rtol=1e-6, atol=1e-6)
+
+
+def test_training_run_without_the_fused_kernel(no_fused_kernel):
+    from softprior.train import train
+
+    from conftest import tiny_config
+    r = train(tiny_config(steps=10))
+    assert r.summary["steps"] == 10 and all(torch.isfinite(v).all() for v in r.state_dict.values())

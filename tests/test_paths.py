@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from pydantic import ValidationError
@@ -313,3 +314,42 @@ def test_path_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValidationError) as ei:
         PathConfig(**kwargs)
     assert field in str(ei.value)
+
+
+# ------------------------------------------------------------------ Python 3.10: tomli instead of tomllib
+_PY310 = r"""
+import sys, types
+import tomllib as real
+calls = []
+stub = types.ModuleType("tomli")
+stub.loads = lambda s: calls.append(s) or real.loads(s)
+sys.modules["tomli"] = stub
+sys.modules["tomllib"] = None  # `import tomllib` now raises ModuleNotFoundError, as on Python 3.10
+from softprior.paths import load_path_file
+p = load_path_file(sys.argv[1])
+print(p.name, p.pos.mode, len(calls))
+"""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="simulates 3.10 on 3.11+ (on 3.10 the other tests use tomli)")
+def test_toml_path_files_load_without_tomllib(tmp_path):
+    """requires-python says 3.10, which has no tomllib: paths.py falls back to tomli (declared for
+    python_version < '3.11' in pyproject.toml). Simulated here by hiding tomllib from the import."""
+    import subprocess
+    import sys
+    f = tmp_path / "p.toml"
+    f.write_text('name = "my_toml_path"\n[pos]\nmode = "fixed"\nvalue = 0.25\n')
+    out = subprocess.run([sys.executable, "-c", _PY310, str(f)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["my_toml_path", "fixed", "1"]  # parsed once, by tomli
+
+
+def test_pyproject_declares_tomli_for_python_310():
+    from pathlib import Path
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert meta["requires-python"] == ">=3.10"
+    assert "tomli>=1.1; python_version < '3.11'" in meta["dependencies"]

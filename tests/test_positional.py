@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch.func import functional_call, stack_module_state, vmap
 
-from softprior.positional import (
-    BASELINES, GATED_BASELINES, SCHEMES, UnknownSchemeError, alibi_slopes, list_schemes, make_scheme,
-    t5_bucket,
-)
+from softprior.baselines import BASELINES, GATED_BASELINES, list_baselines, resolve_baseline
+from softprior.paths import GateConfig
+from softprior.positional import SCHEMES, UnknownSchemeError, alibi_slopes, make_scheme, t5_bucket
 
 DIMS = dict(n_heads=4, d_head=16, d_model=64, n_ctx=32, layer=0, n_layers=2)
 
@@ -32,20 +31,33 @@ def attend(s, q, k, qpos=None, kpos=None):
 
 # ---------------------------------------------------------------------------------------- registry
 def test_registry_lists_every_baseline():
-    names = [n for n, _ in list_schemes()]
+    """The baselines are defined once, in softprior.baselines: SPEC's thirteen names (kerple is one
+    baseline, kerple_log, with the kerple_power variant), every static one backed by a scheme."""
+    import softprior.positional as positional
+    assert not hasattr(positional, "BASELINES") and not hasattr(positional, "GATED_BASELINES")
+    names = [n for n, _ in list_baselines()]
     assert names == BASELINES
-    assert len(names) == len(set(names)) == 14  # 11 static schemes (kerple has 2) + 3 gated priors
-    assert {"soft_bias", "soft_pos_only", "soft_content_only"} <= set(names)
+    assert len(names) == len(set(names)) == 13  # 10 static schemes + 3 gated priors
+    assert set(GATED_BASELINES) == {"soft_bias", "soft_pos_only", "soft_content_only"} < set(names)
     for n, (cls, desc) in SCHEMES.items():
         assert cls.name == n and desc
-    assert GATED_BASELINES["soft_pos_only"][0]["content"] == {"mode": "fixed", "value": 0.0}
-    assert GATED_BASELINES["soft_content_only"][0]["pos"] == {"mode": "fixed", "value": 0.0}
+    for n in BASELINES:
+        opts, path = resolve_baseline(n)
+        if n in GATED_BASELINES:
+            assert opts == {}
+        else:
+            assert opts["positional"] in SCHEMES and opts["prior"] is False
+    assert resolve_baseline("kerple")[0]["positional"] == "kerple_log"
+    assert resolve_baseline("kerple_power")[0]["positional"] == "kerple_power"
+    zero = GateConfig(mode="fixed", value=0.0)
+    assert resolve_baseline("soft_pos_only")[1].content == zero and resolve_baseline("soft_pos_only")[1].pos.mode == "learned"
+    assert resolve_baseline("soft_content_only")[1].pos == zero
 
 
 def test_make_scheme_errors_name_the_fix():
     with pytest.raises(UnknownSchemeError, match="allowed: vanilla"):
         scheme("sinusoidal")
-    with pytest.raises(UnknownSchemeError, match="gated soft prior"):
+    with pytest.raises(UnknownSchemeError, match="gated soft prior.*resolve_baseline"):
         scheme("soft_bias")
     with pytest.raises(ValueError, match="bad options"):
         scheme("alibi", npos=3)
@@ -150,6 +162,22 @@ def test_kerple_clamps_negative_params_and_keeps_gradients():
     with torch.no_grad():
         p.r1.fill_(1.0), p.r2.fill_(5.0)
     assert p.bias(pos, pos)[0, 3, 0].item() == pytest.approx(-9.0)  # r2 clamped to 2: -3^2
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
+def test_kerple_init_follows_the_reference(name):
+    """chijames/KERPLE draws bias_p ~ U(0, 2) first, then bias_a ~ U(0, 1). Log kernel
+    -p log(1 + a|i-j|): multiplier r1 = p, r2 = a. Power kernel -a|i-j|^p: multiplier r1 = a,
+    exponent r2 = p (ours had them swapped: exponent U(0, 1), multiplier U(0, 2))."""
+    H = 64  # many heads: the ranges show
+    torch.manual_seed(3)
+    s = make_scheme(name, n_heads=H, d_head=1, d_model=H, n_ctx=32, layer=0, n_layers=1)
+    torch.manual_seed(3)
+    p, a = torch.rand(H) * 2.0, torch.rand(H)  # the reference's draws, in its order
+    multiplier, inner = (p, a) if name == "kerple_log" else (a, p)
+    assert torch.equal(s.r1.detach(), multiplier) and torch.equal(s.r2.detach(), inner)
+    if name == "kerple_power":
+        assert float(s.r2.detach().max()) > 1.0 and float(s.r1.detach().max()) <= 1.0  # exponent over (0, 2), multiplier (0, 1)
 
 
 # ---------------------------------------------------------------------------------------- fire

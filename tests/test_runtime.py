@@ -109,3 +109,62 @@ def test_flushing_denormals_leaves_a_run_bit_identical():
         outs.append(subprocess.run([sys.executable, "-c", _RUN], env=env, capture_output=True, text=True,
                                    check=True).stdout.split())
     assert outs[0] == outs[1]
+
+
+# ------------------------------------------------------------------ flush-to-zero is scoped to training
+def _needs_ftz():
+    import torch
+    if not torch.set_flush_denormal(False):
+        pytest.skip("no flush-to-zero on this CPU")
+
+
+def test_train_restores_the_flush_to_zero_setting(monkeypatch):
+    """train() used to leave flush-to-zero switched on for the whole process (notebook users too)."""
+    import torch
+
+    from softprior.engine import train_group
+    from softprior.train import TrainingDiverged, train
+
+    from conftest import tiny_config
+
+    monkeypatch.delenv("SOFTPRIOR_FLUSH_DENORMALS", raising=False)
+    _needs_ftz()
+    cfg = tiny_config(checkpoint_every=10)
+    seen = []
+    try:
+        assert not runtime.denormals_flushed()
+        train(cfg, on_checkpoint=lambda ck: seen.append(runtime.denormals_flushed()))
+        assert seen == [True]  # on while training
+        assert not runtime.denormals_flushed()  # off again afterwards, as before the call
+        train_group([tiny_config(seed=0), tiny_config(seed=1)])
+        assert not runtime.denormals_flushed()
+        with pytest.raises(TrainingDiverged):  # restored after an exception too
+            train(tiny_config(lr=1e30, grad_clip=None))
+        assert not runtime.denormals_flushed()
+        torch.set_flush_denormal(True)  # a caller that had it on keeps it on
+        train(tiny_config(steps=5))
+        assert runtime.denormals_flushed()
+    finally:
+        torch.set_flush_denormal(False)
+
+
+_SCOPED = r"""
+import torch
+torch.set_num_threads(2)
+x = torch.full((1 << 22,), 1e-20)
+def survivors():  # computed by both OpenMP threads: each half is flushed or not by its own thread
+    return int(((x * 1e-20) != 0).sum())
+before = survivors()
+from softprior.config import make_run_config
+from softprior.train import train
+train(make_run_config("assoc_recall", "unforced", 0, steps=3, eval_every=3, n_val=16, batch_size=8))
+print(before, survivors())
+"""
+
+
+def test_flush_to_zero_is_restored_on_every_openmp_thread():
+    _needs_ftz()
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SOFTPRIOR_FLUSH_DENORMALS")}
+    before, after = map(int, subprocess.run([sys.executable, "-c", _SCOPED], env=env, capture_output=True,
+                                            text=True, check=True).stdout.split())
+    assert before == 1 << 22 and after == before  # no thread left flushing

@@ -127,12 +127,18 @@ def sweep_bench(n_runs: int, reference_ms: float, steps: int = 3600, workers: in
 
 def run_bench(quick: bool = False, group_size: int = 8, log=print) -> dict:
     """Each implementation is timed at 1 thread and at the machine's thread count and reported at its
-    faster one (the thread count tuned to the machine); the per-count figures are in the JSON."""
+    faster one (the thread count tuned to the machine); the per-count figures are in the JSON.
+    The runtime settings (``runtime.training_settings``) apply to the whole benchmark, the reference
+    included (the conservative ratio), and flush-to-zero is restored when it returns."""
+    from .runtime import training_settings
+    with training_settings() as settings:
+        return _run_bench(quick, group_size, log, settings)
+
+
+def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     from .config import make_run_config
     from .engine import train_group
-    from .runtime import prepare_training
     ref_mod = _load_reference()
-    settings = prepare_training()  # process-wide: the reference below runs with them too (the conservative ratio)
     cfg = make_run_config("assoc_recall", "unforced", 0)
     max_threads = torch.get_num_threads()
     thread_counts = sorted({1, max_threads})

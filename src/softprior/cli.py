@@ -15,6 +15,20 @@ class CliError(Exception):
     pass
 
 
+def _one_line(msg: str) -> str:
+    """``msg`` with every non-printable character (newlines included) escaped as ``repr`` does, so an
+    error is always one line, whatever the user typed."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(msg))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line, ``softprior: error: ...``, exit code 2
+    (argparse's default prints the usage block first)."""
+
+    def error(self, message):
+        self.exit(2, f"softprior: error: {_one_line(message)} (see '{self.prog} --help')\n")
+
+
 def _format_validation_error(e) -> str:
     parts = []
     for err in e.errors():
@@ -155,7 +169,7 @@ def _experiment(args):
     for f in args.plugin or []:
         load_plugin(f)
     exp = get_experiment(args.name)
-    tasks = tuple(t.strip() for t in args.tasks.split(",")) if getattr(args, "tasks", None) else None
+    tasks = tuple(t.strip() for t in args.tasks.split(",")) if getattr(args, "tasks", None) is not None else None
     opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks)
     if opts.seeds is not None and opts.seeds < 1:
         raise CliError(f"--seeds must be >= 1, got {opts.seeds}")
@@ -198,6 +212,9 @@ def _paper(args, train: bool) -> int:
 
 def cmd_reproduce(args) -> int:
     from .executors import execute
+    for flag, v in (("--workers", args.workers), ("--group", args.group)):
+        if v < 1:
+            raise CliError(f"{flag} must be >= 1, got {v}")
     if args.name == "paper":
         return _paper(args, train=True)
     exp, cells = _experiment(args)
@@ -307,12 +324,29 @@ def cmd_export(args) -> int:
     from .interop import export_transformer_lens
     if args.format != "transformer-lens":
         raise CliError(f"unknown export format {args.format!r}; allowed: transformer-lens")
+    if args.n_ctx is not None and args.n_ctx < 1:
+        raise CliError(f"--n-ctx must be a positive integer, got {args.n_ctx}")
     store = _store(args)
     cfg, model = store.load_model(args.run_id)
     gates = parse_gates(args.gates) if args.gates else None
-    export_transformer_lens(model, args.out, gates=gates)
-    print(f"wrote {args.out} (TransformerLens config + state dict of run {cfg.run_id})")
+    path = export_transformer_lens(model, args.out, gates=gates, n_ctx=args.n_ctx)
+    print(f"wrote {path} (TransformerLens config + state dict of run {cfg.run_id}, "
+          f"inputs up to {args.n_ctx or cfg.model.n_ctx} tokens)")
     return 0
+
+
+def cmd_store_verify(args) -> int:
+    from .integrity import verify_store
+    report = verify_store(args.store, repair=args.repair)
+    for line in report.lines():
+        print(line)
+    if report.healthy:
+        return 0
+    if not args.repair:
+        return 1
+    after = verify_store(args.store)  # what the repair left
+    print("after repair: " + after.lines()[0])
+    return 0 if after.healthy else 1
 
 
 def cmd_paths(args) -> int:
@@ -328,7 +362,7 @@ def cmd_tasks(args) -> int:
 # ------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     from .model import MODEL_PRESETS
-    p = argparse.ArgumentParser(prog="softprior", description="Annealable soft-prior Transformers: train, "
+    p = _Parser(prog="softprior", description="Annealable soft-prior Transformers: train, "
                                 "evaluate and reproduce circuit-removability experiments.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -372,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "reproduce":
             r.add_argument("--executor", default="local", choices=["local", "ray"])
             r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray)")
-            r.add_argument("--group", type=int, default=1, help="runs trained together in one process (vmap)")
+            r.add_argument("--group", type=int, default=1, help="runs trained together in one process, their "
+                           "parameters stacked on a run dimension (engine.train_group)")
             r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
             r.add_argument("--device", default=None, help="where grouped runs (--group > 1) train, e.g. cuda "
                            "(default: $SOFTPRIOR_DEVICE or cpu)")
@@ -421,8 +456,17 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", default="transformer-lens")
     ex.add_argument("--out", required=True)
     ex.add_argument("--gates", default=None, help="gates baked into the export, e.g. pos=0,content=0")
+    ex.add_argument("--n-ctx", type=int, default=None, help="longest input the exported model accepts "
+                    "(default: the training context; e.g. 120 for the length test)")
     ex.add_argument("--store", default="runs")
     ex.set_defaults(fn=cmd_export)
+    st = sub.add_parser("store", help="check the run store").add_subparsers(dest="store_command", required=True)
+    sv = st.add_parser("verify", help="check every finished run's files against the SHA-256 checksums recorded when "
+                       "they were written, and the index (exit 1 if anything is damaged)")
+    sv.add_argument("--repair", action="store_true", help="re-queue only the damaged runs (records deleted, files moved "
+                    "to STORE/damaged/); rebuild a damaged index from the run directories")
+    sv.add_argument("--store", default="runs")
+    sv.set_defaults(fn=cmd_store_verify)
     sub.add_parser("paths", help="list training paths").set_defaults(fn=cmd_paths)
     sub.add_parser("tasks", help="list tasks").set_defaults(fn=cmd_tasks)
     return p
@@ -440,10 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ValidationError as e:
-        print(f"softprior: error: invalid configuration: {_format_validation_error(e)}", file=sys.stderr)
+        print(f"softprior: error: invalid configuration: {_one_line(_format_validation_error(e))}", file=sys.stderr)
     except (CliError, StoreError, ValueError, KeyError, RuntimeError, ImportError) as e:
-        msg = e.args[0] if e.args else str(e)
-        print(f"softprior: error: {msg}", file=sys.stderr)
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"softprior: error: {_one_line(msg)}", file=sys.stderr)
     except KeyboardInterrupt:
         print("softprior: interrupted", file=sys.stderr)
         return 130

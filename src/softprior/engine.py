@@ -10,7 +10,8 @@ readable model in logits and gradients. The static schemes apply the readable mo
 the per-op overhead that dominates a tiny model is paid once, not K times. On a GPU the same code
 path trains a whole sweep in a few kernels per op.
 
-What stays per run, exactly as in ``train.train``:
+What stays per run, exactly as in ``train.train`` (the per-step rules are train.py's own functions:
+``step_gates``, ``prior_dropped``, ``with_dual_loss``, ``metrics_row``, ``check_finite``):
 - data: each run draws its batch from its own seeded generator;
 - gate trajectories: each run's gate values come from its own path (learned gates use the run's own
   logit; prior dropout uses the run's own generator; the dual loss is a per-run flag);
@@ -36,8 +37,9 @@ from torch.func import functional_call, stack_module_state, vmap
 from . import fastpath
 from .config import RunConfig
 from .optim import AdamW
-from .runtime import prepare_training
-from .train import RunResult, TrainingDiverged, build_model, param_groups, run_summary, seeded_generator
+from .runtime import training_settings
+from .train import (RunResult, build_model, check_finite, metrics_row, param_groups, prior_dropped, run_summary,
+                    seeded_generator, step_gates, with_dual_loss)
 from .tasks import make_task
 
 __all__ = ["train_group", "group_key"]
@@ -69,14 +71,19 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     """Train ``cfgs`` together. ``device``: where the stacked parameters and batches live (default
     ``$SOFTPRIOR_DEVICE`` or ``cpu``; e.g. ``cuda``). Data is drawn on the CPU from each run's own
     generator and copied over, so a run's numbers depend only on its config, not on the device's RNG.
-    Results (weights, metrics) come back on the CPU."""
+    Results (weights, metrics) come back on the CPU. Runs inside ``runtime.training_settings()``
+    (flush-to-zero on while training, restored afterwards)."""
     if not cfgs:
         return []
     keys = {group_key(c) for c in cfgs}
     if len(keys) != 1:
         raise ValueError("train_group needs configs that differ only in path, seed, grad_clip and initialisation")
+    with training_settings():
+        return _train_group(cfgs, init_states, progress, device)
+
+
+def _train_group(cfgs, init_states, progress, device) -> list[RunResult]:
     t0 = time.perf_counter()
-    prepare_training()
     dev = torch.device(device or os.environ.get("SOFTPRIOR_DEVICE") or "cpu")
     K, c0 = len(cfgs), cfgs[0]
     task = make_task(c0.task)
@@ -97,8 +104,6 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     val = task.sample(c0.n_val, T, torch.Generator().manual_seed(c0.val_seed))
     val_inputs, val_targets = val.inputs.to(dev), val.targets.to(dev)
     loss_pos = task.loss_positions(T)
-    learned_pos = torch.tensor([c.path.pos.mode == "learned" for c in cfgs], device=dev)
-    learned_con = torch.tensor([c.path.content.mode == "learned" for c in cfgs], device=dev)
     dual = torch.tensor([float(c.path.dual_loss) for c in cfgs], device=dev)
 
     if fastpath.supports(c0.model):  # hand-fused and run-stacked already (fastpath.py)
@@ -121,9 +126,16 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     def per_run_val_loss(out, targets):
         return vmap(task.loss, in_dims=(0, None))(out, targets)
 
-    def model_gates():
+    def model_gates():  # as SoftPriorTransformer.gates: a model without a prior has gates 0
+        if not c0.model.prior:
+            return zeros, zeros
         g = torch.sigmoid(params["gate_logits"])  # [K, 2, a, b]
         return g[:, 0].expand(K, L, H), g[:, 1].expand(K, L, H)
+
+    def gate_tensor(applied, i, own):  # [K, L, H]: run k's own gate where kind i is learned this step, else forced
+        learned = torch.tensor([a[i] is None for a in applied], device=dev)
+        forced = torch.tensor([0.0 if a[i] is None else a[i] for a in applied]).to(dev)
+        return torch.where(learned[:, None, None], own, forced[:, None, None].expand(K, L, H))
 
     metrics: list[list[dict]] = [[] for _ in cfgs]
     loss_sum = torch.zeros(K, device=dev)
@@ -134,21 +146,16 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
         bar = tqdm(total=steps, desc=f"group of {K}", unit="step", leave=False)
     zeros = torch.zeros(K, L, H, device=dev)
     for step in range(steps):
-        fp = torch.tensor([c.path.pos.value_at(step, steps) or 0.0 for c in cfgs]).to(dev)
-        fc = torch.tensor([c.path.content.value_at(step, steps) or 0.0 for c in cfgs]).to(dev)
-        drop = torch.tensor([c.path.prior_dropout > 0 and float(torch.rand((), generator=g)) < c.path.prior_dropout
-                             for c, g in zip(cfgs, drop_gens)]).to(dev)
+        # each run's gates for this step, by the single-run rules (train.step_gates, train.prior_dropped)
+        applied = [step_gates(c.path, step, steps, prior_dropped(c.path, g)) for c, g in zip(cfgs, drop_gens)]
         mp, mc = model_gates()
-        gp = torch.where(learned_pos[:, None, None], mp, fp[:, None, None].expand(K, L, H))
-        gc = torch.where(learned_con[:, None, None], mc, fc[:, None, None].expand(K, L, H))
-        gp = torch.where(drop[:, None, None], zeros, gp)
-        gc = torch.where(drop[:, None, None], zeros, gc)
+        gp, gc = gate_tensor(applied, 0, mp), gate_tensor(applied, 1, mc)
         batches = [task.sample(c0.batch_size, T, g) for g in data_gens]
         inputs = torch.stack([b.inputs for b in batches]).to(dev)
         targets = torch.stack([b.targets for b in batches]).to(dev)
         loss_k = per_run_loss(batched(params, inputs, gp, gc), targets)
         if bool(dual.any()):
-            loss_k = loss_k + dual * per_run_loss(batched(params, inputs, zeros, zeros), targets)
+            loss_k = with_dual_loss(loss_k, lambda: per_run_loss(batched(params, inputs, zeros, zeros), targets), dual)
         opt.zero_grad(set_to_none=False)
         loss_k.sum().backward()
         grads = [params[n].grad for n in names if params[n].grad is not None]
@@ -165,21 +172,17 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
                 mp, mc = model_gates()
                 out_n = batched_val(params, val_inputs, mp, mc)
                 out_z = batched_val(params, val_inputs, zeros, zeros)
-                res = {"normal_" + task.metric: per_run_score(out_n, val_targets).tolist(),
-                       "zero_" + task.metric: per_run_score(out_z, val_targets).tolist(),
-                       "normal_loss": per_run_val_loss(out_n, val_targets).tolist(),
-                       "zero_loss": per_run_val_loss(out_z, val_targets).tolist()}
+                score_n, score_z = per_run_score(out_n, val_targets).tolist(), per_run_score(out_z, val_targets).tolist()
+                loss_n, loss_z = per_run_val_loss(out_n, val_targets).tolist(), per_run_val_loss(out_z, val_targets).tolist()
                 g_all = torch.sigmoid(params["gate_logits"]).reshape(K, 2, -1).mean(-1)
             for k, c in enumerate(cfgs):
-                if not math.isfinite(train_loss[k]):
-                    raise TrainingDiverged(f"run {c.run_id}: non-finite training loss at step {done}")
-                row = {"step": done, "train_loss": train_loss[k],
-                       # the gate applied at this step; a learned one as updated by it (as train.train logs)
-                       "g_pos": float(g_all[k, 0] if learned_pos[k] and not drop[k] else gp[k].detach().mean()),
-                       "g_content": float(g_all[k, 1] if learned_con[k] and not drop[k] else gc[k].detach().mean()),
-                       **{key: v[k] for key, v in res.items()},
-                       "model_g_pos": float(g_all[k, 0]), "model_g_content": float(g_all[k, 1])}
-                metrics[k].append(row)
+                check_finite(train_loss[k], done, c.run_id)
+                # forced gates are logged as applied (the float32 value the run trained with)
+                logged = tuple(None if applied[k][i] is None else float(g[k].detach().mean())
+                               for i, g in ((0, gp), (1, gc)))
+                metrics[k].append(metrics_row(done, train_loss[k], logged, (float(g_all[k, 0]), float(g_all[k, 1])),
+                                              {task.metric: score_n[k], "loss": loss_n[k]},
+                                              {task.metric: score_z[k], "loss": loss_z[k]}))
             loss_sum = torch.zeros(K, device=dev)
             n_in_window = 0
         if bar is not None:

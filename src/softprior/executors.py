@@ -10,12 +10,17 @@ jobs (configs in, results out) to a backend, and writes each result as it arrive
   so a cluster without a shared filesystem works (results travel back through Ray's object store).
 
 A job is one run or a group of compatible runs trained together (``engine.train_group``). A failing
-run (exception or NaN loss) is recorded with its error and the sweep goes on.
+run (exception or NaN loss) is recorded with its error and the sweep goes on. When the group engine
+itself raises, the driver first records the exception with its traceback in the store
+(``RunStore.engine_errors``) and in the sweep report (``SweepReport.engine_errors``, printed by
+``line()``), and only then falls back to training the group's runs one by one: an engine bug shows up
+as an error, not as mere slowness.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -24,7 +29,7 @@ from typing import Callable
 from .config import RunConfig
 from .store import RunStore
 
-__all__ = ["execute", "SweepReport"]
+__all__ = ["execute", "SweepReport", "JobResult", "work"]
 
 
 @dataclass
@@ -33,6 +38,7 @@ class SweepReport:
     skipped: int = 0
     trained: int = 0
     failed: list[tuple[str, str]] = field(default_factory=list)  # (run_id, error)
+    engine_errors: list[tuple[list[str], str]] = field(default_factory=list)  # (group's run ids, error + traceback)
     seconds: float = 0.0
 
     @property
@@ -42,9 +48,28 @@ class SweepReport:
     def line(self) -> str:
         s = (f"{self.total} runs: {self.skipped} already done, {self.trained} trained, {len(self.failed)} failed "
              f"({self.seconds:.1f} s)")
+        if self.engine_errors:
+            s += f", {len(self.engine_errors)} group engine error(s)"
+        for rids, err in self.engine_errors:
+            s += (f"\n  ENGINE ERROR in a group of {len(rids)} runs ({', '.join(r[:8] for r in rids)}): "
+                  f"{_headline(err)}; retrained one by one (traceback in the store's engine_errors table)")
         for rid, err in self.failed:
             s += f"\n  FAILED {rid}: {err.splitlines()[-1] if err else ''}"
         return s
+
+
+def _headline(err: str) -> str:
+    """The 'Type: message' line of an error string that may carry a traceback after it."""
+    return err.splitlines()[0] if err else ""
+
+
+@dataclass
+class JobResult:
+    """What a job returns (picklable, crosses process and Ray boundaries). ``outs``: one
+    (RunResult | None, error | None) per config; empty when ``engine_error`` is set (the group engine
+    raised: 'Type: message' followed by the traceback), and the driver then retrains the runs alone."""
+    outs: list = field(default_factory=list)
+    engine_error: str | None = None
 
 
 # ------------------------------------------------------------------------------------ pure work
@@ -53,21 +78,22 @@ def _set_threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
 
 
-def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | None = None):
-    """Pure: train ``cfgs`` (one run, or a group) and return a list of (RunResult | None, error | None)."""
+def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | None = None) -> JobResult:
+    """Pure: train ``cfgs`` (one run, or a group). A group whose engine raises returns the exception
+    and its traceback (``JobResult.engine_error``), not results: the driver records it, then retrains."""
     if threads:
         _set_threads(threads)
-    from .engine import train_group
+    from . import engine
     from .train import train
     if len(cfgs) == 1:
         try:
-            return [(train(cfgs[0], init_state=(init_states or [None])[0]), None)]
+            return JobResult([(train(cfgs[0], init_state=(init_states or [None])[0]), None)])
         except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-            return [(None, f"{type(e).__name__}: {e}")]
+            return JobResult([(None, f"{type(e).__name__}: {e}")])
     try:
-        return [(r, None) for r in train_group(cfgs, init_states=init_states)]
-    except Exception:  # one bad run spoils a group: fall back to training each alone
-        return [work([c], [s] if init_states else None)[0] for c, s in zip(cfgs, init_states or [None] * len(cfgs))]
+        return JobResult([(r, None) for r in engine.train_group(cfgs, init_states=init_states)])
+    except Exception as e:  # noqa: BLE001 - reported by the driver, which then trains each run alone
+        return JobResult(engine_error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
 # ------------------------------------------------------------------------------------ backends
@@ -82,12 +108,12 @@ class _Serial:
             try:
                 r = train(c, init_state=(init_states or [None])[0], resume=self.store.load_checkpoint(c.run_id),
                           on_checkpoint=lambda ck: self.store.save_checkpoint(c.run_id, ck), progress=self.progress)
-                out = [(r, None)]
+                out = JobResult([(r, None)])
             except Exception as e:  # noqa: BLE001
-                out = [(None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")]
+                out = JobResult([(None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")])
         else:
             out = work(cfgs, init_states)
-        self.pending.append((cfgs, out))
+        self.pending.append((cfgs, init_states, out))
 
     def next_done(self):
         return self.pending.pop(0)
@@ -108,17 +134,17 @@ class _Pool:
         self.futs = {}
 
     def submit(self, cfgs, init_states):
-        self.futs[self.ex.submit(work, cfgs, init_states, self.threads)] = cfgs
+        self.futs[self.ex.submit(work, cfgs, init_states, self.threads)] = (cfgs, init_states)
 
     def next_done(self):
         from concurrent.futures import FIRST_COMPLETED, wait
         done, _ = wait(list(self.futs), return_when=FIRST_COMPLETED)
         f = next(iter(done))
-        cfgs = self.futs.pop(f)
+        cfgs, inits = self.futs.pop(f)
         try:
-            return cfgs, f.result()
+            return cfgs, inits, f.result()
         except Exception as e:  # noqa: BLE001 - a worker crash fails its runs, not the sweep
-            return cfgs, [(None, f"worker crashed: {type(e).__name__}: {e}")] * len(cfgs)
+            return cfgs, inits, JobResult([(None, f"worker crashed: {type(e).__name__}: {e}")] * len(cfgs))
 
     def busy(self):
         return bool(self.futs)
@@ -141,16 +167,16 @@ class _Ray:
         self.refs = {}
 
     def submit(self, cfgs, init_states):
-        self.refs[self.remote.remote(cfgs, init_states, self.cpus)] = cfgs
+        self.refs[self.remote.remote(cfgs, init_states, self.cpus)] = (cfgs, init_states)
 
     def next_done(self):
         done, _ = self.ray.wait(list(self.refs), num_returns=1)
         ref = done[0]
-        cfgs = self.refs.pop(ref)
+        cfgs, inits = self.refs.pop(ref)
         try:
-            return cfgs, self.ray.get(ref)
+            return cfgs, inits, self.ray.get(ref)
         except Exception as e:  # noqa: BLE001
-            return cfgs, [(None, f"ray task failed: {type(e).__name__}: {e}")] * len(cfgs)
+            return cfgs, inits, JobResult([(None, f"ray task failed: {type(e).__name__}: {e}")] * len(cfgs))
 
     def busy(self):
         return bool(self.refs)
@@ -273,8 +299,18 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
 
 
 def _collect(backend, store, report, failed_ids, bar, on_result, records):
-    cfgs, outs = backend.next_done()
-    for c, (res, err) in zip(cfgs, outs):
+    cfgs, inits, job = backend.next_done()
+    if job.engine_error is not None:
+        # record and report the engine's exception first, then fall back to one run per job
+        rids = [c.run_id for c in cfgs]
+        store.record_engine_error(rids, job.engine_error)
+        report.engine_errors.append((rids, job.engine_error))
+        print(f"softprior: the group engine failed for {len(rids)} runs ({_headline(job.engine_error)}); "
+              "recorded in the store, retraining them one by one", file=sys.stderr)
+        for i, c in enumerate(cfgs):
+            backend.submit([c], [inits[i]] if inits else None)
+        return
+    for c, (res, err) in zip(cfgs, job.outs):
         if res is not None:
             res.summary["calibration"] = records.get(c.run_id)
             store.save_result(res)

@@ -17,10 +17,14 @@ from typing import Callable
 from .config import RunConfig, make_run_config
 
 __all__ = ["Eval", "Cell", "Experiment", "Options", "register_experiment", "get_experiment", "list_experiments",
-           "load_plugin", "UnknownExperimentError", "NORMAL", "ZERO"]
+           "load_plugin", "PluginError", "UnknownExperimentError", "UnknownTaskFilterError", "NORMAL", "ZERO"]
 
 
 class UnknownExperimentError(ValueError):
+    pass
+
+
+class UnknownTaskFilterError(ValueError):
     pass
 
 
@@ -51,7 +55,14 @@ class Cell:
 class Options:
     seeds: int | None = None  # None: the experiment's (paper's) seed count
     quick: bool = False
-    tasks: tuple[str, ...] | None = None
+    tasks: tuple[str, ...] | None = None  # a filter: labels or task names of TASK_VARIANTS
+
+    def __post_init__(self):
+        if self.tasks is not None:
+            allowed = list(dict.fromkeys([*TASK_VARIANTS, *(t for t, _ in TASK_VARIANTS.values())]))
+            for t in self.tasks:
+                if t not in allowed:  # a typo would otherwise select nothing: an empty table
+                    raise UnknownTaskFilterError(f"unknown task {t!r} in --tasks; allowed: {', '.join(allowed)}")
 
     def n_seeds(self, default: int) -> int:
         if self.seeds is not None:
@@ -105,9 +116,27 @@ def list_experiments() -> list[tuple[str, str]]:
     return [(e.name, e.description) for e in _REGISTRY.values()]
 
 
+class PluginError(ValueError):
+    pass
+
+
 def load_plugin(path: str) -> None:
-    """Execute a user's Python file that calls ``register_experiment`` / ``register_path``."""
-    runpy.run_path(path, run_name="softprior_plugin")
+    """Execute a user's Python file that calls ``register_experiment`` / ``register_path``. A missing
+    file or any exception raised while running it (a syntax error included) becomes a one-line
+    ``PluginError`` naming the file."""
+    from pathlib import Path
+    try:
+        ok = Path(path).is_file()
+    except (OSError, ValueError):  # e.g. a NUL byte in the name
+        ok = False
+    if not ok:
+        raise PluginError(f"plugin file {str(path)!r} does not exist")
+    try:
+        runpy.run_path(str(path), run_name="softprior_plugin")
+    except Exception as e:  # noqa: BLE001 - the user's code: report it, naming the file
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        detail = " ".join(str(e.msg if isinstance(e, SyntaxError) else e).split())
+        raise PluginError(f"plugin file {str(path)!r} failed: {type(e).__name__}: {detail}{where}") from None
 
 
 # ------------------------------------------------------------------------------------- helpers

@@ -24,7 +24,7 @@ The conversion (weights copied, nothing folded or centred; loaded with a plain `
   survive ``reset_hooks()`` and ``run_with_hooks``; a user hook added later on ``hook_attn_scores``
   sees the scores with the prior, as our model's ``hook_attn_scores`` does.
 - The gates are baked in at conversion: ``gates=None`` uses the model's own gates (sigmoid of its
-  logits), ``(g_pos, g_content)`` forces them (each a float, an [L, H]-broadcastable tensor, or None for
+  logits), ``(g_pos, g_content)`` forces them (each a float, a tensor read as ``model.gates`` reads it ([L] per layer, [1, H] per head, [L, H]), or None for
   that kind's own gate). Convert again for other gates.
 
 Limits: token models only (not the linear-ICL vector-input models), and not the static positional
@@ -187,7 +187,7 @@ def to_hooked_transformer(model: SoftPriorTransformer, gates=None, n_ctx: int | 
     """A TransformerLens ``HookedTransformer`` computing the same logits as ``model`` at ``gates``.
 
     gates: None = the model's own gates (sigmoid of its gate logits); ``(g_pos, g_content)`` forces
-    them (floats, [L, H]-broadcastable tensors, or None per kind for that kind's own gate). At zero
+    them (floats, tensors as ``model.gates`` reads them, or None per kind for that kind's own gate). At zero
     gates no hook is installed: the result is the plain NoPE attention-only model. ``n_ctx``: the
     longest input the TransformerLens model accepts (default the training context; the prior clips
     offsets beyond it, like our model). The prior and gates are kept as ``.softprior_prior``."""

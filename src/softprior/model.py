@@ -20,11 +20,16 @@ then the causal mask, then softmax.
 Intermediates are exposed TransformerLens-style under stable hook names (see ``hook_names``):
 ``blocks.{l}.hook_resid_pre``, ``blocks.{l}.attn.hook_q|hook_k|hook_v`` [B, T, H, d_head],
 ``blocks.{l}.attn.hook_pos_bias`` [H, Tq, T] (ungated), ``blocks.{l}.attn.hook_content_bias``
-[B, H, Tq, T] (ungated; observe-only: the forward folds it into the QK matmul), ``blocks.{l}.attn.hook_attn_scores`` [B, H, Tq, T] (priors added, masked),
+[B, H, Tq, T] (ungated), ``blocks.{l}.attn.hook_attn_scores`` [B, H, Tq, T] (priors added, masked),
 ``blocks.{l}.attn.hook_pattern``, ``blocks.{l}.attn.hook_z`` [B, Tq, H, d_head],
 ``blocks.{l}.attn.hook_result`` [B, Tq, H, d_model] (each head's output; only computed when asked
 for), ``blocks.{l}.hook_attn_out``, ``blocks.{l}.hook_resid_post``, ``ln_final.hook_normalized``.
 ``run_with_cache`` returns them by name; ``hooks(...)`` installs functions that may replace them.
+A replacement takes effect everywhere except at the observe-only point ``hook_result`` (the forward
+applies the output projection to ``hook_z``, not to the per-head results), where returning a tensor
+raises ``HookError`` instead of being ignored. B^content is normally folded into the QK matmul (see
+``Attention.forward``); when a hook replaces it, the layer adds ``g_content * replacement`` to the
+logits instead, so the replacement enters the equation exactly where B^content does.
 """
 
 from __future__ import annotations
@@ -38,11 +43,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["ModelConfig", "SoftPriorTransformer", "MODEL_PRESETS", "model_preset", "UnknownModelError"]
+__all__ = ["ModelConfig", "SoftPriorTransformer", "MODEL_PRESETS", "model_preset", "UnknownModelError",
+           "HookError", "OBSERVE_ONLY_HOOKS", "shape_gate"]
 
 
 class UnknownModelError(ValueError):
     pass
+
+
+class HookError(ValueError):
+    """A hook function returned a replacement at a hook point whose value the forward does not use."""
 
 
 class ModelConfig(BaseModel):
@@ -99,6 +109,9 @@ class ModelConfig(BaseModel):
         return self.d_model // self.n_heads
 
 
+# hook points whose value the forward computes for inspection only (a replacement raises HookError)
+OBSERVE_ONLY_HOOKS = ("hook_result",)
+
 MODEL_PRESETS = {
     "base": dict(n_layers=2, n_heads=4, d_model=64),
     "large": dict(n_layers=4, n_heads=4, d_model=128),
@@ -130,6 +143,21 @@ def initial_pos_bias(cfg: ModelConfig) -> torch.Tensor:
     return quad if cfg.prior_init == "locality" else quad.clamp(min=-cfg.prior_cap)
 
 
+def shape_gate(g: torch.Tensor, L: int, H: int, kind: str = "gate") -> torch.Tensor:
+    """A forced gate value as [L, H]: a number or one-element tensor -> every head of every layer;
+    [L] or [L, 1] -> per layer; [1, H] -> per head, the same in every layer; [L, H] as is. A 1-D
+    tensor is per layer even when L = H (broadcasting it would silently make it per head)."""
+    shape = tuple(g.shape)
+    if g.numel() == 1 and g.dim() <= 2:
+        return g.reshape(1, 1).expand(L, H)
+    if shape == (L,):
+        return g[:, None].expand(L, H)
+    if g.dim() == 2 and shape[0] in (1, L) and shape[1] in (1, H):
+        return g.expand(L, H)
+    raise ValueError(f"{kind} gate tensor of shape {list(shape)} does not fit a model with L={L} layers and "
+                     f"H={H} heads; use a number, [L] or [L, 1] (per layer), [1, H] (per head) or [L, H]")
+
+
 # ------------------------------------------------------------------------------------------ hooks
 class HookState:
     """Shared by every module of one model. Inactive (the default) it costs one attribute check."""
@@ -144,11 +172,18 @@ class HookState:
         return self.active and (name in self.fns or (self.cache is not None and self.cache_filter(name)))
 
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Pass ``t`` through the hook functions on ``name`` (each may return a replacement) and
+        into the cache. At an ``OBSERVE_ONLY_HOOKS`` point the result is discarded, so a replacement
+        raises ``HookError``."""
         if not self.active:
             return t
         for fn in self.fns.get(name, ()):
             out = fn(t, name)
             if out is not None:
+                if name.rsplit(".", 1)[-1] in OBSERVE_ONLY_HOOKS:
+                    raise HookError(f"hook {getattr(fn, '__name__', fn)!r} on {name!r} returned a replacement, but "
+                                    f"{name.rsplit('.', 1)[-1]} is observe-only (the forward does not use it); "
+                                    f"return None there, or change {name.rsplit('.', 1)[0]}.hook_z instead")
                 t = out
         if self.cache is not None and self.cache_filter(name):
             self.cache[name] = t.detach()
@@ -205,16 +240,23 @@ class Attention(nn.Module):
         b_pos = hk(pre + "hook_pos_bias", self.pos_bias[:, offsets])  # (H, Tq, T)
         u = u.view(B, Tq, H, r).transpose(1, 2)  # (B, H, Tq, r)
         w = w.view(B, T, H, r).transpose(1, 2)  # (B, H, T, r)
-        if hk.wants(pre + "hook_content_bias"):  # observed only: the forward folds it into the QK matmul
-            hk(pre + "hook_content_bias", u @ w.transpose(-1, -2))  # (B, H, Tq, T)
+        b_content = None  # None: B^content folded into the QK matmul below
+        if hk.wants(pre + "hook_content_bias"):
+            b_c = u @ w.transpose(-1, -2)  # (B, H, Tq, T)
+            b_hooked = hk(pre + "hook_content_bias", b_c)
+            if b_hooked is not b_c:  # replaced by a hook: add g_content * replacement instead of folding
+                b_content = b_hooked
         causal = torch.zeros(Tq, T, device=dev).masked_fill_(qpos[:, None] < kpos[None, :], float("-inf"))
 
         # The paper's equation  S = Q K^T / sqrt(d_head) + g_pos B^pos + g_content B^content,  with
         # B^content = (x U)(x V)^T folded into the same matmul:  [Q/sqrt(d_head), g_content xU] . [K, xV]^T.
         # The causal mask (0 / -inf) rides along with the (batch-independent) position bias.
-        q_ext = torch.cat([q * (1.0 / math.sqrt(dh)), g_content.view(H, 1, 1) * u], dim=-1)  # (B, H, Tq, dh+r)
-        k_ext = torch.cat([k, w], dim=-1)  # (B, H, T, dh+r)
-        scores = q_ext @ k_ext.transpose(-1, -2)
+        if b_content is None:
+            q_ext = torch.cat([q * (1.0 / math.sqrt(dh)), g_content.view(H, 1, 1) * u], dim=-1)  # (B, H, Tq, dh+r)
+            k_ext = torch.cat([k, w], dim=-1)  # (B, H, T, dh+r)
+            scores = q_ext @ k_ext.transpose(-1, -2)
+        else:  # the same equation, unfused, with the hook's B^content
+            scores = (q * (1.0 / math.sqrt(dh))) @ k.transpose(-1, -2) + g_content.view(H, 1, 1) * b_content
         if self.scheme is not None:  # static baselines (whose soft prior is off) adjust the content logits
             scores = self.scheme.adjust_logits(scores, q, k, qpos, kpos)
         scores = hk(pre + "hook_attn_scores", scores + (g_pos.view(H, 1, 1) * b_pos + causal))
@@ -225,7 +267,7 @@ class Attention(nn.Module):
         z = hk(pre + "hook_z", (pattern @ v).transpose(1, 2))  # (B, Tq, H, dh)
         if hk.wants(pre + "hook_result"):  # each head's contribution to the residual stream
             W_O = self.out_proj.weight.T.view(H, dh, d)
-            hk(pre + "hook_result", torch.einsum("bqhe,hed->bqhd", z, W_O))
+            hk(pre + "hook_result", torch.einsum("bqhe,hed->bqhd", z, W_O))  # observe-only
         return self.out_proj(z.reshape(B, Tq, d))
 
 
@@ -268,7 +310,12 @@ class SoftPriorTransformer(nn.Module):
     # ---------------------------------------------------------------- gates
     def gates(self, pos=None, content=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Gate values [L, H] for (position, content). None = learned (sigmoid of the logit);
-        a float or tensor forces the gate (fixed/scheduled modes and evaluation overrides)."""
+        a float or tensor forces the gate (fixed/scheduled modes and evaluation overrides).
+
+        A forced tensor is read by shape (``shape_gate``): a number (or one element) for every head of
+        every layer, ``[L]`` or ``[L, 1]`` per layer, ``[1, H]`` per head (the same in every layer),
+        ``[L, H]`` per layer and head. A 1-D tensor is always per layer, also when L = H (as in the
+        large preset); any other shape raises ``ValueError``."""
         L, H = self.cfg.n_layers, self.cfg.n_heads
         if not self.cfg.prior:
             z = torch.zeros(L, H, device=self.gate_logits.device, dtype=self.gate_logits.dtype)
@@ -276,10 +323,11 @@ class SoftPriorTransformer(nn.Module):
         out = []
         for i, forced in enumerate((pos, content)):
             if forced is None:
-                g = torch.sigmoid(self.gate_logits[i])
+                g = torch.sigmoid(self.gate_logits[i])  # [1, 1], [L, 1] or [L, H]: broadcasts as is
+                out.append(g.expand(L, H))
             else:
                 g = torch.as_tensor(forced, dtype=self.gate_logits.dtype, device=self.gate_logits.device)
-            out.append(g.expand(L, H) if g.dim() else g.view(1, 1).expand(L, H))
+                out.append(shape_gate(g, L, H, ("position", "content")[i]))
         return out[0], out[1]
 
     # ---------------------------------------------------------------- forward

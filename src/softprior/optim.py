@@ -14,13 +14,41 @@ this machine, 10% of a whole 3,600-step base run, once in every process (each sw
 ``softprior train``). Nothing here is compiled, so that import buys nothing. ``tests/test_optim.py``
 holds this optimiser bit-equal to ``torch.optim.AdamW(fused=True)`` and its ``state_dict`` in the
 same layout (so checkpoints load in either).
+
+Fallback. ``torch._fused_adamw_`` is private, and its CPU kernel arrived after the ``torch>=2.2``
+floor this package declares (torch 2.2/2.3 have the op for CUDA only). ``fused_available(device)``
+probes the kernel once per device type (one call on a 1-element tensor); where it is missing or
+raises, ``step`` hands the same parameter groups and the same state tensors to a
+``torch.optim.AdamW`` (its non-fused implementation, the same Algorithm 2), so training works on
+every supported torch. The non-fused kernels may round differently from the fused one (last bits);
+runs are bit-identical only between machines that take the same branch.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "fused_available"]
+
+_FUSED_OK: dict[str, bool] = {}  # device type -> whether torch._fused_adamw_ ran there
+
+
+def fused_available(device: torch.device | str = "cpu") -> bool:
+    """Whether ``torch._fused_adamw_`` exists and runs on ``device``'s type (probed once per type)."""
+    fn = getattr(torch, "_fused_adamw_", None)
+    if fn is None:
+        return False
+    kind = torch.device(device).type
+    if kind not in _FUSED_OK:
+        p = torch.zeros(1, device=device)
+        try:
+            fn([p], [torch.zeros_like(p)], [torch.zeros_like(p)], [torch.zeros_like(p)], [],
+               [torch.ones((), device=device)], amsgrad=False, lr=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0,
+               eps=1e-8, maximize=False, grad_scale=None, found_inf=None)
+            _FUSED_OK[kind] = True
+        except (RuntimeError, NotImplementedError, TypeError):  # no kernel for this backend / other signature
+            _FUSED_OK[kind] = False
+    return _FUSED_OK[kind]
 
 # the flags torch.optim.AdamW(fused=True) keeps in each param group; saved so that torch's optimiser
 # reads our state_dict as the same algorithm (a missing flag falls back to its default, e.g. Adam's L2)
@@ -46,6 +74,7 @@ class AdamW:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self._torch_opt = None  # torch.optim.AdamW, built only where the fused kernel is missing
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -68,6 +97,9 @@ class AdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        params = self._params()
+        if params and not fused_available(params[0].device):
+            return self._step_torch()
         for g in self.param_groups:
             ps = [p for p in g["params"] if p.grad is not None]
             if not ps:
@@ -82,6 +114,20 @@ class AdamW:
                                 [s["exp_avg_sq"] for s in st], [], steps, amsgrad=False, lr=float(g["lr"]),
                                 beta1=b1, beta2=b2, weight_decay=g["weight_decay"], eps=g["eps"],
                                 maximize=False, grad_scale=None, found_inf=None)
+
+    def _step_torch(self) -> None:
+        """The same update by ``torch.optim.AdamW`` (non-fused), on our groups and state tensors."""
+        if self._torch_opt is None:
+            self._torch_opt = torch.optim.AdamW([{"params": g["params"]} for g in self.param_groups], fused=False)
+        for ours, theirs in zip(self.param_groups, self._torch_opt.param_groups):
+            theirs.update(lr=float(ours["lr"]), betas=tuple(ours["betas"]), eps=ours["eps"],
+                          weight_decay=ours["weight_decay"])
+            for p in ours["params"]:
+                if p.grad is not None:  # shared state: torch's 'step' counts, ours is the same tensor
+                    if p.grad.is_sparse:
+                        raise RuntimeError("AdamW does not support sparse gradients")
+                    self._torch_opt.state[p] = self._state(p)
+        self._torch_opt.step()
 
     # ----------------------------------------------------------------------- torch.optim's layout
     def state_dict(self) -> dict:

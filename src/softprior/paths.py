@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .schedules import Constant, Fade, HardSwitch, Linear, Schedule
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli is the same parser (a dependency there, see pyproject.toml)
+    import tomli as tomllib
 
 __all__ = [
     "GateConfig", "PathConfig", "get_path", "register_path", "list_paths", "load_path_file",
@@ -175,16 +179,34 @@ def _float_in_unit(text: str, name: str) -> float:
 
 
 def load_path_file(file: str | Path) -> PathConfig:
-    """Load a PathConfig from a JSON or TOML file (the same fields as ``PathConfig``)."""
+    """Load a PathConfig from a JSON or TOML file (the same fields as ``PathConfig``). Every problem
+    (missing or unreadable file, not UTF-8, not JSON/TOML, invalid fields) is a one-line
+    ``UnknownPathError`` naming the file."""
     p = Path(file)
-    if not p.is_file():
-        raise UnknownPathError(f"path file {str(p)!r} does not exist")
-    text = p.read_text()
     try:
+        ok = p.is_file()
+    except (OSError, ValueError):  # e.g. a NUL byte in the name
+        ok = False
+    if not ok:
+        raise UnknownPathError(f"path file {str(p)!r} does not exist")
+    try:
+        text = p.read_bytes().decode("utf-8")
         data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
         return PathConfig.model_validate(data)
-    except Exception as e:  # pydantic errors name the field
-        raise UnknownPathError(f"invalid path file {str(p)!r}: {e}") from None
+    except ValidationError as e:  # name the fields, on one line
+        raise UnknownPathError(f"invalid path file {str(p)!r}: {_validation_summary(e)}") from None
+    except Exception as e:  # noqa: BLE001 - OSError, UnicodeDecodeError, JSON/TOML syntax errors
+        raise UnknownPathError(f"invalid path file {str(p)!r}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+def _validation_summary(e: ValidationError) -> str:
+    """A pydantic error on one line: 'field.sub: message (got value); ...'."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "value"
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+        parts.append(f"{loc}: {err.get('msg')}{got}")
+    return " ".join("; ".join(parts).split("\n"))
 
 
 def list_paths() -> list[tuple[str, str]]:

@@ -29,8 +29,8 @@ Adding a scheme: write one subclass (set ``name``; take ``**dims`` and pass them
 ``super().__init__``; override the calls it needs) and add one ``SCHEMES`` entry.
 
 The three soft-prior baselines (soft_bias, soft_pos_only, soft_content_only) are not schemes here:
-they are the model's own gated prior on top of NoPE. ``GATED_BASELINES`` describes their gate
-settings so that ``list_schemes()`` (and the CLI) can list every baseline.
+they are the model's own gated prior on top of NoPE. The list of baselines (schemes and gated priors,
+their gate settings and descriptions) lives in one place, ``softprior.baselines``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
-    "PositionalScheme", "AdditiveBias", "make_scheme", "list_schemes", "SCHEMES", "GATED_BASELINES",
-    "BASELINES", "UnknownSchemeError", "alibi_slopes", "t5_bucket",
+    "PositionalScheme", "AdditiveBias", "make_scheme", "SCHEMES", "UnknownSchemeError", "alibi_slopes", "t5_bucket",
     "LearnedAbsolute", "NoPE", "RoPE", "ALiBi", "T5RelativeBias", "KerpleLog", "KerplePower", "FIRE",
     "CoPE", "DAPE", "GPSA",
 ]
@@ -173,10 +172,15 @@ class RoPE(PositionalScheme):
 
     Formula: for k = 0..dh/2-1, inv_freq_k = 1 / base^(2k/dh) (base 10000); at position t the pair
     (x1, x2) = (x[k], x[k + dh/2]) becomes (x1 cos(t w_k) - x2 sin(t w_k), x1 sin(t w_k) + x2 cos(t w_k)).
-    q is rotated at its query positions, k at its key positions, with the same pairing (split
-    halves, as GPT-NeoX / x-transformers), so q_i.k_j depends on positions only through i - j.
-    Reference: Su et al. 2021; x-transformers ``RotaryEmbedding``. Unlike x-transformers' default
-    (which rotates only part of the head), all dh dims are rotated, the slowest pair included.
+    q is rotated at its query positions, k at its key positions, with the same pairing, so q_i.k_j
+    depends on positions only through i - j. The pairing is the split-halves convention of GPT-NeoX
+    and Hugging Face's ``rotate_half`` (dims k and k + dh/2). x-transformers' ``RotaryEmbedding``
+    pairs adjacent dims (2k, 2k + 1) instead; the two are the same rotation up to one fixed
+    permutation of the head dims applied to both q and k, which leaves q.k unchanged and which the
+    learned Q/K projections absorb, so the function class is the same.
+    Reference: Su et al. 2021 (RoFormer), eq. 34; GPT-NeoX for the pairing; x-transformers
+    ``RotaryEmbedding`` for the base. Unlike x-transformers' default (which rotates only part of the
+    head), all dh dims are rotated, the slowest pair included.
     No parameters (nothing to share). Beyond the training length: angles t w_k for t >= n_ctx were
     never seen; the fast pairs wrap around, the slow pairs (w_7 = 10^-3.5 at dh = 16) reach angles
     never trained. RoPE is known to extrapolate poorly; we keep it as the reference has it."""
@@ -284,15 +288,24 @@ class T5RelativeBias(AdditiveBias):
 
 
 class _Kerple(AdditiveBias):
-    """Shared parameters of the two KERPLE kernels: r1_h, r2_h per head, per layer."""
+    """Shared parameters of the two KERPLE kernels: r1_h (the multiplier), r2_h per head, per layer.
+
+    Init as the reference (chijames/KERPLE, ``ParallelKerpleLog`` / ``ParallelKerplePower``): it
+    draws ``bias_p ~ U(0, 2)`` first, then ``bias_a ~ U(0, 1)``, per head. In the log kernel
+    -p log(1 + a|i-j|) p is the multiplier (r1) and a the scale inside the log (r2); in the power
+    kernel -a |i-j|^p p is the exponent (r2) and a the multiplier (r1). ``exponent_p`` says which."""
 
     eps = 0.01  # the reference's floor
     r2_max: float | None = None
+    exponent_p = False  # True: r2 is the reference's p (the power kernel's exponent)
 
     def __init__(self, **dims):
         super().__init__(**dims)
-        self.r1 = nn.Parameter(torch.rand(self.n_heads) * 2.0)  # U(0, 2)
-        self.r2 = nn.Parameter(torch.rand(self.n_heads))  # U(0, 1)
+        p = torch.rand(self.n_heads) * 2.0  # bias_p ~ U(0, 2), drawn first as in the reference
+        a = torch.rand(self.n_heads)  # bias_a ~ U(0, 1)
+        r1, r2 = (a, p) if self.exponent_p else (p, a)
+        self.r1 = nn.Parameter(r1)
+        self.r2 = nn.Parameter(r2)
 
     def params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The clamped (r1, r2) actually used, each (H, 1, 1)."""
@@ -327,14 +340,15 @@ class KerplePower(_Kerple):
     """kerple_power: b_h(i, j) = -r1_h |i - j|^r2_h, r2 in (0, 2].
 
     Reference: Chi et al. 2022; chijames/KERPLE ``ParallelKerplePower``.
-    Init: r1 ~ U(0, 2), r2 ~ U(0, 1); clamped on every forward to r1 >= 0.01 and 0.01 <= r2 <= 2
-    (straight-through, see ``KerpleLog``). |i - j|^r2 is computed as exp(r2 log|i - j|) off the
+    Init (the reference's ``bias_a``, ``bias_p``): multiplier r1 ~ U(0, 1), exponent r2 ~ U(0, 2);
+    clamped on every forward to r1 >= 0.01 and 0.01 <= r2 <= 2 (straight-through, see ``KerpleLog``). |i - j|^r2 is computed as exp(r2 log|i - j|) off the
     diagonal and 0 on it, so the gradient in r2 stays finite at i = j.
     Sharing: per head per layer, as the reference.
     Beyond the training length: a formula in |i - j|; T = 120 continues the power law."""
 
     name = "kerple_power"
     r2_max = 2.0
+    exponent_p = True
 
     def bias(self, qpos, kpos):
         r1, r2 = self.params()
@@ -527,36 +541,17 @@ SCHEMES: dict[str, tuple[type[PositionalScheme], str]] = {
     "gpsa": (GPSA, "ConViT gated mix of content and positional (delta, delta^2) softmaxes"),
 }
 
-# The model's own gated soft prior on a NoPE backbone: {"pos"|"content": GateConfig fields}.
-GATED_BASELINES: dict[str, tuple[dict, str]] = {
-    "soft_bias": ({"pos": {"mode": "learned"}, "content": {"mode": "learned"}},
-                  "soft prior, position and content gates both learned"),
-    "soft_pos_only": ({"pos": {"mode": "learned"}, "content": {"mode": "fixed", "value": 0.0}},
-                      "soft prior, position gate learned, content gate fixed at 0"),
-    "soft_content_only": ({"pos": {"mode": "fixed", "value": 0.0}, "content": {"mode": "learned"}},
-                          "soft prior, content gate learned, position gate fixed at 0"),
-}
-
-BASELINES: list[str] = [*SCHEMES, *GATED_BASELINES]
-
-
-def list_schemes() -> list[tuple[str, str]]:
-    """(name, description) for every baseline: the static schemes, then the gated soft priors."""
-    out = [(n, d) for n, (_, d) in SCHEMES.items()]
-    out += [(n, f"{d} (provided by the model's gates, not a positional scheme)")
-            for n, (_, d) in GATED_BASELINES.items()]
-    return out
-
 
 def make_scheme(name: str, *, n_heads: int, d_head: int, d_model: int, n_ctx: int, layer: int,
                 n_layers: int, **options) -> PositionalScheme:
     """Build the scheme instance for one layer. ``options`` are scheme-specific keywords (e.g.
     ``max_len`` for vanilla, ``npos`` for cope, ``num_buckets`` for t5)."""
-    if name in GATED_BASELINES:
-        raise UnknownSchemeError(
-            f"{name!r} is the model's gated soft prior, not a positional scheme: build it with "
-            f"scheme 'nope' and gates {GATED_BASELINES[name][0]}")
     if name not in SCHEMES:
+        from .baselines import GATED_BASELINES  # the one list of baselines (it imports this module)
+        if name in GATED_BASELINES:
+            raise UnknownSchemeError(
+                f"{name!r} is the model's gated soft prior, not a positional scheme: build it with "
+                f"softprior.baselines.resolve_baseline({name!r})")
         raise UnknownSchemeError(f"unknown positional scheme {name!r}; allowed: {', '.join(SCHEMES)}")
     if n_heads * d_head != d_model:
         raise ValueError(f"n_heads * d_head must equal d_model, got {n_heads} * {d_head} != {d_model}")

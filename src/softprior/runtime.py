@@ -30,18 +30,29 @@ worker threads inherit the creating thread's value only when they are created, s
 already exists would keep the slow mode on every thread but the main one. ``flush_denormals``
 therefore runs ``torch.set_flush_denormal(True)`` on every thread of the OpenMP team
 (``GOMP_parallel``, the entry point libgomp and LLVM/Intel OpenMP export for ``#pragma omp
-parallel``). The setting is process-wide and stays on; ``SOFTPRIOR_FLUSH_DENORMALS=0`` turns it off.
-Where the CPU has no FTZ (non-x86) it is a no-op.
+parallel``). ``SOFTPRIOR_FLUSH_DENORMALS=0`` turns it off. Where the CPU has no FTZ (non-x86) it is a
+no-op.
+
+Scope. Flush-to-zero changes float arithmetic for everything else the process computes, so training
+does not leave it behind: ``train``, ``train_group`` (and so every sweep) run inside
+``training_settings()``, which switches it on and, on exit, restores the calling thread's previous
+setting on this thread and on every OpenMP thread (a notebook that trains a model and then computes
+something with denormals gets the IEEE behaviour it had before). ``prepare_training()`` is the
+unscoped form: it applies both settings for the rest of the process (the scripts in
+``benchmarks/`` use it, timing code that runs outside ``train``; ``softprior bench`` runs inside
+``training_settings()`` too). The allocator setting is
+process-wide in either case; it changes no numbers, only where freed memory goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import threading
 
-__all__ = ["tune_allocator", "flush_denormals", "prepare_training"]
+__all__ = ["tune_allocator", "flush_denormals", "denormals_flushed", "prepare_training", "training_settings"]
 
 _M_TRIM_THRESHOLD = -1  # glibc malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -125,6 +136,37 @@ def flush_denormals() -> bool:
     return _on_every_openmp_thread(lambda: torch.set_flush_denormal(True), n) == n
 
 
+def denormals_flushed() -> bool:
+    """Whether float32 denormals are flushed to zero on the calling thread (probed: 1e-20 * 1e-20 =
+    1e-40 is a denormal, and comes out 0 under flush-to-zero)."""
+    import torch
+    return bool((torch.full((1,), 1e-20) * 1e-20).item() == 0.0)
+
+
+def _set_flush_everywhere(flag: bool) -> None:
+    """torch.set_flush_denormal(flag) on this thread and every thread of torch's OpenMP pool."""
+    import torch
+    torch.set_flush_denormal(flag)
+    n = torch.get_num_threads()
+    if n > 1:
+        _on_every_openmp_thread(lambda: torch.set_flush_denormal(flag), n)
+
+
 def prepare_training() -> dict[str, bool]:
-    """Both settings, as every training entry point (``train``, ``train_group``, ``bench``) applies them."""
+    """Both settings, for the rest of the process (unscoped; ``training_settings`` is the scoped form
+    that ``train`` and ``train_group`` use)."""
     return {"allocator_tuned": tune_allocator(), "denormals_flushed": flush_denormals()}
+
+
+@contextlib.contextmanager
+def training_settings():
+    """``prepare_training()`` for the duration of a ``with`` block: flush-to-zero is switched back to
+    the calling thread's previous setting (on every OpenMP thread) on exit, also after an exception.
+    Yields the dict of what was applied."""
+    before = denormals_flushed()
+    applied = prepare_training()
+    try:
+        yield applied
+    finally:
+        if not before:  # (also when flushing reached only some threads)
+            _set_flush_everywhere(False)

@@ -1,6 +1,8 @@
 """The embedded run store: a SQLite index plus one directory per run.
 
     STORE/index.sqlite            runs(run_id, status, task, path, seed, model, config, summary, error, ...)
+                                  engine_errors(run_ids, error, ...): group engine exceptions, with traceback
+                                  files(run_id, name, sha256, size): checksums of every file a run wrote
     STORE/runs/RUN_ID/config.json
     STORE/runs/RUN_ID/metrics.jsonl
     STORE/runs/RUN_ID/final.safetensors      model weights (safetensors: never pickle)
@@ -10,12 +12,15 @@
 
 Runs are keyed by a hash of their canonical config (``RunConfig.run_id``). Every file is written to a
 temporary name and renamed into place; only then is the run committed as done in SQLite, so a killed
-process leaves either a complete run or none. SQLite runs in WAL mode with a busy timeout; runs are
+process leaves either a complete run or none. The SHA-256 and size of every file a finished run
+wrote are recorded in the ``files`` table in the same transaction (``softprior store verify`` checks
+them, see ``softprior.integrity``). SQLite runs in WAL mode with a busy timeout; runs are
 claimed in an IMMEDIATE transaction so that two processes never train the same run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -43,6 +48,20 @@ CREATE TABLE IF NOT EXISTS runs (
     owner TEXT,
     heartbeat REAL,
     created REAL, updated REAL
+);
+CREATE TABLE IF NOT EXISTS files (
+    run_id TEXT NOT NULL,
+    name TEXT NOT NULL,              -- relative to the run directory, e.g. final.safetensors
+    sha256 TEXT NOT NULL,            -- of the bytes written, computed at write time
+    size INTEGER NOT NULL,
+    PRIMARY KEY (run_id, name)
+);
+CREATE TABLE IF NOT EXISTS engine_errors (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_ids TEXT NOT NULL,           -- JSON list: the group whose training raised
+    error TEXT NOT NULL,             -- 'Type: message' and the traceback
+    owner TEXT,
+    created REAL
 );
 """
 
@@ -73,20 +92,35 @@ class RunNotFoundError(StoreError):
     pass
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+def sha256_file(path: Path) -> tuple[str, int]:
+    """(hex SHA-256, size in bytes) of a file."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            n += len(block)
+    return h.hexdigest(), n
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> tuple[str, int]:
+    """Write ``data`` to ``path`` atomically; return its (SHA-256, size)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest(), len(data)
 
 
-def _atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+def _atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> tuple[str, int]:
+    """Save ``tensors`` to ``path`` atomically; return the (SHA-256, size) of the file written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
               metadata={k: json.dumps(v) for k, v in (metadata or {}).items()})
+    digest = sha256_file(tmp)  # what is on disk, read back before it takes the final name
     os.replace(tmp, path)
+    return digest
 
 
 def _model_label(cfg: RunConfig) -> str:
@@ -178,29 +212,48 @@ class RunStore:
 
     # ------------------------------------------------------------------ writing results
     def save_result(self, result) -> None:
-        """Write a finished run's files atomically, then commit it as done."""
+        """Write a finished run's files atomically, then commit it as done together with the SHA-256
+        of every file written (table ``files``)."""
         cfg = result.config
         d = self.run_dir(cfg.run_id)
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(d / "config.json", cfg.model_dump_json(indent=2).encode())
-        _atomic_write_bytes(d / "metrics.jsonl",
-                            "".join(json.dumps(r, sort_keys=True) + "\n" for r in result.metrics).encode())
-        _atomic_save_tensors(d / "final.safetensors", result.state_dict, {"run_id": cfg.run_id})
+        sums = {"config.json": _atomic_write_bytes(d / "config.json", cfg.model_dump_json(indent=2).encode()),
+                "metrics.jsonl": _atomic_write_bytes(
+                    d / "metrics.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in result.metrics).encode()),
+                "final.safetensors": _atomic_save_tensors(d / "final.safetensors", result.state_dict,
+                                                          {"run_id": cfg.run_id})}
         if result.snapshots:
             (d / "snapshots").mkdir(exist_ok=True)
             for step, weights in result.snapshots:
-                _atomic_save_tensors(d / "snapshots" / f"step_{step:07d}.safetensors", weights, {"step": step})
-        _atomic_write_bytes(d / "summary.json", json.dumps(result.summary, indent=2, sort_keys=True).encode())
+                name = f"snapshots/step_{step:07d}.safetensors"
+                sums[name] = _atomic_save_tensors(d / name, weights, {"step": step})
+        sums["summary.json"] = _atomic_write_bytes(d / "summary.json",
+                                                   json.dumps(result.summary, indent=2, sort_keys=True).encode())
         now = time.time()
         with self._connect() as db:
-            db.execute(
-                "INSERT INTO runs(run_id, status, task, path, seed, model, config, summary, owner, created, updated)"
-                " VALUES(?, 'done', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT(run_id) DO UPDATE SET status='done', summary=excluded.summary, error=NULL,"
-                " updated=excluded.updated",
-                (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
-                 json.dumps(cfg.canonical(), sort_keys=True), json.dumps(result.summary), self.owner, now, now))
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(
+                    "INSERT INTO runs(run_id, status, task, path, seed, model, config, summary, owner, created, updated)"
+                    " VALUES(?, 'done', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(run_id) DO UPDATE SET status='done', summary=excluded.summary, error=NULL,"
+                    " updated=excluded.updated",
+                    (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                     json.dumps(cfg.canonical(), sort_keys=True), json.dumps(result.summary), self.owner, now, now))
+                db.execute("DELETE FROM files WHERE run_id=?", (cfg.run_id,))
+                db.executemany("INSERT INTO files(run_id, name, sha256, size) VALUES(?, ?, ?, ?)",
+                               [(cfg.run_id, name, h, n) for name, (h, n) in sums.items()])
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
         (d / "checkpoint.safetensors").unlink(missing_ok=True)
+
+    def file_checksums(self, run_id: str) -> dict[str, tuple[str, int]]:
+        """{file name relative to the run directory: (SHA-256, size)} recorded when the run was saved."""
+        with self._connect() as db:
+            rows = db.execute("SELECT name, sha256, size FROM files WHERE run_id=?", (run_id,)).fetchall()
+        return {r["name"]: (r["sha256"], r["size"]) for r in rows}
 
     def record_failure(self, cfg: RunConfig, error: str) -> None:
         now = time.time()
@@ -211,6 +264,19 @@ class RunStore:
                 " ON CONFLICT(run_id) DO UPDATE SET status='failed', error=excluded.error, updated=excluded.updated",
                 (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
                  json.dumps(cfg.canonical(), sort_keys=True), error, self.owner, now, now))
+
+    def record_engine_error(self, run_ids: list[str], error: str) -> None:
+        """Keep the exception (with traceback) of a group engine that failed on ``run_ids`` (the sweep
+        then retrains them alone, so the runs' own rows would not show it)."""
+        with self._connect() as db:
+            db.execute("INSERT INTO engine_errors(run_ids, error, owner, created) VALUES(?, ?, ?, ?)",
+                       (json.dumps(list(run_ids)), error, self.owner, time.time()))
+
+    def engine_errors(self) -> list[dict]:
+        """Recorded group engine failures, oldest first: {run_ids, error, owner, created}."""
+        with self._connect() as db:
+            rows = db.execute("SELECT run_ids, error, owner, created FROM engine_errors ORDER BY id").fetchall()
+        return [{**dict(r), "run_ids": json.loads(r["run_ids"])} for r in rows]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
@@ -242,7 +308,7 @@ class RunStore:
     # ------------------------------------------------------------------ reading
     def _row(self, run_id: str):
         if not run_id:
-            raise RunNotFoundError("empty run id")
+            raise RunNotFoundError(f"empty run id {run_id!r}; give a run id or a prefix of one")
         with self._connect() as db:
             rows = db.execute("SELECT * FROM runs WHERE substr(run_id, 1, ?) = ?", (len(run_id), run_id)).fetchall()
         if not rows:

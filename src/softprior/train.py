@@ -31,11 +31,13 @@ from .config import RunConfig
 from .fastpath import model_forward
 from .model import SoftPriorTransformer
 from .optim import AdamW
+from .paths import PathConfig
 from .provenance import provenance
-from .runtime import prepare_training
+from .runtime import training_settings
 from .tasks import Task, make_task
 
-__all__ = ["train", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator"]
+__all__ = ["train", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator", "prior_dropped",
+           "step_gates", "with_dual_loss", "metrics_row", "check_finite"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -93,9 +95,54 @@ def evaluate(model: SoftPriorTransformer, task: Task, inputs, targets, gate_pos=
     return {task.metric: float(task.score(out, targets)), "loss": float(task.loss(out, targets))}
 
 
-def _gate_summary(model) -> dict:
+def _gate_means(model) -> tuple[float, float]:
+    """The model's own (position, content) gates, each averaged over layers and heads."""
     g = torch.sigmoid(model.gate_logits.detach())
-    return {"model_g_pos": float(g[0].mean()), "model_g_content": float(g[1].mean())}
+    return float(g[0].mean()), float(g[1].mean())
+
+
+# ------------------------------------------------------------------- the per-step rules
+# One definition each, used by the single-run loop below and by the grouped engine (engine.py).
+def prior_dropped(path: PathConfig, drop_gen: torch.Generator) -> bool:
+    """Prior dropout (SPEC section 3): whether this step trains with both gates at 0. One draw from
+    the run's own dropout generator per step on paths with dropout, none on the others."""
+    return path.prior_dropout > 0 and float(torch.rand((), generator=drop_gen)) < path.prior_dropout
+
+
+def step_gates(path: PathConfig, step: int, total_steps: int, dropped: bool) -> tuple[float | None, float | None]:
+    """The (position, content) gates a training step applies (SPEC sections 2-3): the path's forced
+    value of each kind at ``step`` (fixed or scheduled), None where the gate is learned (the model's
+    own sigmoid(logit)), and 0 for both on a step whose prior is dropped."""
+    if dropped:
+        return 0.0, 0.0
+    return path.pos.value_at(step, total_steps), path.content.value_at(step, total_steps)
+
+
+def with_dual_loss(loss: torch.Tensor, zero_gate_loss: Callable[[], torch.Tensor], weight=1.0) -> torch.Tensor:
+    """The dual condition loss (SPEC section 3): loss(normal gates) + loss(zero gates).
+    ``weight``: 1 for a run with the dual loss; in the grouped engine a per-run 0/1 vector [K]."""
+    return loss + weight * zero_gate_loss()
+
+
+def check_finite(train_loss: float, step: int, run_id: str) -> None:
+    if not math.isfinite(train_loss):
+        raise TrainingDiverged(f"run {run_id}: non-finite training loss at step {step} ({train_loss})")
+
+
+def metrics_row(step: int, train_loss: float, applied: tuple, model_gates: tuple[float, float],
+                normal: dict, zero: dict) -> dict:
+    """One logged evaluation row, as ``train`` and ``train_group`` both log it.
+
+    applied: the (position, content) gates the last step applied; None for a learned gate that was
+        applied, logged as the model's own gate as updated by that step.
+    model_gates: the model's own gates after the step, averaged over layers and heads.
+    normal, zero: {metric: value, "loss": value} on the validation set with the model's gates / with
+        both gates 0 (``evaluate``)."""
+    return {"step": step, "train_loss": train_loss,
+            "g_pos": model_gates[0] if applied[0] is None else applied[0],
+            "g_content": model_gates[1] if applied[1] is None else applied[1],
+            **{f"normal_{k}": v for k, v in normal.items()}, **{f"zero_{k}": v for k, v in zero.items()},
+            "model_g_pos": model_gates[0], "model_g_content": model_gates[1]}
 
 
 def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
@@ -107,9 +154,16 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
     resume: a checkpoint dict previously passed to ``on_checkpoint``; training continues from it
         bit-identically to an uninterrupted run.
     on_checkpoint: called every ``cfg.checkpoint_every`` steps with a dict of tensors + metadata.
+
+    Runs inside ``runtime.training_settings()``: flush-to-zero is on while training and restored
+    afterwards (the caller's float behaviour is unchanged by a run).
     """
+    with training_settings():
+        return _train(cfg, init_state=init_state, resume=resume, on_checkpoint=on_checkpoint, progress=progress)
+
+
+def _train(cfg: RunConfig, *, init_state, resume, on_checkpoint, progress) -> RunResult:
     t0 = time.perf_counter()
-    prepare_training()
     task = make_task(cfg.task)
     T, steps = cfg.model.n_ctx, cfg.total_steps
     model = build_model(cfg)
@@ -143,14 +197,12 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
         bar = tqdm(total=steps, initial=start, desc=f"{cfg.path.name} s{cfg.seed}", unit="step", leave=False)
     path = cfg.path
     for step in range(start, steps):
-        gp = path.pos.value_at(step, steps)
-        gc = path.content.value_at(step, steps)
-        if path.prior_dropout > 0 and float(torch.rand((), generator=drop_gen)) < path.prior_dropout:
-            gp = gc = 0.0
+        gp, gc = step_gates(path, step, steps, prior_dropped(path, drop_gen))
         batch = task.sample(cfg.batch_size, T, data_gen)
         loss = task.loss(model_forward(model, batch.inputs, gp, gc, loss_pos), batch.targets)
         if path.dual_loss:
-            loss = loss + task.loss(model_forward(model, batch.inputs, 0.0, 0.0, loss_pos), batch.targets)
+            loss = with_dual_loss(
+                loss, lambda: task.loss(model_forward(model, batch.inputs, 0.0, 0.0, loss_pos), batch.targets))
         opt.zero_grad(set_to_none=False)
         loss.backward()
         if cfg.grad_clip is not None:
@@ -161,16 +213,10 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
         done = step + 1
         if done % cfg.eval_every == 0 or done == steps:
             train_loss = float(loss_sum) / n_in_window
-            if not math.isfinite(train_loss):
-                raise TrainingDiverged(f"non-finite training loss at step {done} ({train_loss})")
+            check_finite(train_loss, done, cfg.run_id)
             normal = evaluate(model, task, val.inputs, val.targets)
             zero = evaluate(model, task, val.inputs, val.targets, 0.0, 0.0)
-            row = {"step": done, "train_loss": train_loss,
-                   "g_pos": gp if gp is not None else float(torch.sigmoid(model.gate_logits[0].detach()).mean()),
-                   "g_content": gc if gc is not None else float(torch.sigmoid(model.gate_logits[1].detach()).mean()),
-                   **{f"normal_{k}": v for k, v in normal.items()},
-                   **{f"zero_{k}": v for k, v in zero.items()},
-                   **_gate_summary(model)}
+            row = metrics_row(done, train_loss, (gp, gc), _gate_means(model), normal, zero)
             metrics.append(row)
             loss_sum, n_in_window = torch.zeros(()), 0
             if bar is not None:

@@ -1,0 +1,305 @@
+"""``softprior store verify [--repair]``: check a run store against what was written.
+
+When a run finishes, ``RunStore.save_result`` records the SHA-256 and size of every file it wrote
+(config.json, metrics.jsonl, final.safetensors, summary.json, snapshots/step_N.safetensors) in the
+index's ``files`` table, in the same transaction that marks the run done. ``verify_store`` then finds:
+
+- a damaged index: ``PRAGMA integrity_check`` fails or the file is not a database (file
+  ``index.sqlite``), or one finished run's row is unreadable (summary or config not JSON, a config
+  whose hash is not its run id, checksums missing for its files): reported with that run id;
+- a damaged run file: missing (a half-written or partly deleted run directory), truncated, or with
+  other contents than were written (SHA-256 mismatch): reported with the run id and the file;
+- finished runs of stores written before checksums existed: checked for readability only (every
+  file present and parseable), and listed as such.
+
+Run directories without a finished run in the index (a run in progress, a failed run, or one killed
+before it was committed) are listed as unfinished, not as damage: a sweep trains them anyway.
+
+``repair=True`` re-queues only the damaged runs: their records are deleted from the index (so the
+next ``softprior reproduce`` / ``train`` trains them again) and their directories are moved to
+``STORE/damaged/RUN_ID.TIMESTAMP`` (nothing is deleted). A damaged index is moved aside to
+``index.sqlite.damaged.TIMESTAMP`` and rebuilt from the run directories: every run whose files are
+intact (against the checksums that could still be read from the old index, else for readability) is
+indexed as done again, with its checksums; failed-run rows and recorded engine errors of the old index
+are not carried over (they are kept in the moved file). Repair while no sweep writes to the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .store import RunStore, StoreError, _model_label, sha256_file
+
+__all__ = ["verify_store", "VerifyReport", "Problem", "REQUIRED_FILES"]
+
+REQUIRED_FILES = ("config.json", "metrics.jsonl", "final.safetensors", "summary.json")
+
+
+@dataclass
+class Problem:
+    run_id: str | None  # None: the index as a whole
+    file: str  # relative to the store root
+    what: str
+
+    def line(self) -> str:
+        who = f"run {self.run_id}" if self.run_id else "index"
+        return f"DAMAGED {who}: {self.file}: {self.what}"
+
+
+@dataclass
+class VerifyReport:
+    root: Path
+    runs: int = 0  # finished runs checked
+    files: int = 0  # files compared against a recorded checksum
+    problems: list[Problem] = field(default_factory=list)
+    index_damaged: bool = False
+    unverified: list[str] = field(default_factory=list)  # finished runs with no recorded checksums
+    unfinished: list[str] = field(default_factory=list)  # run directories without a finished run
+    requeued: list[str] = field(default_factory=list)  # damaged runs whose records --repair deleted
+    rebuilt: int | None = None  # runs indexed again after an index rebuild
+
+    @property
+    def damaged_runs(self) -> list[str]:
+        return sorted({p.run_id for p in self.problems if p.run_id})
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        where = f"store {str(self.root)!r}"
+        if self.healthy:
+            out = [f"{where} is healthy: {self.runs} finished runs, {self.files} files match the SHA-256 checksums "
+                   "recorded when they were written"]
+        else:
+            out = [p.line() for p in self.problems]
+            bad = self.damaged_runs
+            repaired = bool(self.requeued) or self.rebuilt is not None
+            if self.index_damaged:
+                out.append(f"{where}: the index is damaged" + (f", and {len(bad)} run(s): {', '.join(bad)}" if bad else "")
+                           + ("" if repaired else "; `softprior store verify --repair` rebuilds it from the run "
+                              "directories, keeping every intact run and re-queueing damaged ones"))
+            else:
+                out.append(f"{where}: {len(bad)} damaged run(s) ({', '.join(bad)}); the other {self.runs - len(bad)} "
+                           "finished runs are intact" + ("" if repaired else
+                                                         ". `softprior store verify --repair` re-queues only the damaged runs"))
+        if self.unverified:
+            out.append(f"note: {len(self.unverified)} finished run(s) have no recorded checksums (written before "
+                       "checksums were recorded): checked for readability only")
+        if self.unfinished:
+            out.append(f"note: {len(self.unfinished)} run director(y/ies) without a finished run (in progress, failed "
+                       f"or never committed; a sweep trains them): {', '.join(self.unfinished)}")
+        if self.rebuilt is not None:
+            out.append(f"repaired: index rebuilt from the run directories ({self.rebuilt} finished runs indexed; "
+                       "the damaged index was kept as index.sqlite.damaged.*)")
+        if self.requeued:
+            out.append(f"repaired: re-queued {len(self.requeued)} damaged run(s) ({', '.join(self.requeued)}): "
+                       "records deleted, files moved to damaged/; the next reproduce or train retrains them")
+        return out
+
+
+# ------------------------------------------------------------------------------------ reading the index
+def _read_index(path: Path):
+    """(rows of finished runs {run_id: row}, checksums {run_id: {name: (sha, size)}}, all run ids, error).
+    Only reads; whatever could be read is returned even when ``error`` is set."""
+    done, sums, ids, error = {}, {}, set(), None
+    try:  # a plain connection that only reads (mode=ro would leave the WAL files behind when it closes)
+        db = sqlite3.connect(path, timeout=60.0)
+    except sqlite3.Error as e:
+        return done, sums, ids, f"cannot be opened ({e})"
+    try:
+        db.row_factory = sqlite3.Row
+        try:
+            check = [r[0] for r in db.execute("PRAGMA integrity_check").fetchall()]
+            if check != ["ok"]:
+                error = "integrity check failed: " + "; ".join(check[:3])
+        except sqlite3.DatabaseError as e:
+            return done, sums, ids, str(e)
+        try:
+            for r in db.execute("SELECT run_id, status, config, summary FROM runs"):
+                ids.add(r["run_id"])
+                if r["status"] == "done":
+                    done[r["run_id"]] = dict(r)
+            for r in db.execute("SELECT run_id, name, sha256, size FROM files"):
+                sums.setdefault(r["run_id"], {})[r["name"]] = (r["sha256"], r["size"])
+        except sqlite3.DatabaseError as e:
+            error = error or str(e)
+    finally:
+        db.close()
+    return done, sums, ids, error
+
+
+def _row_problem(rid: str, row: dict) -> str | None:
+    """Why a finished run's index row is unusable, or None. (The hash is RunConfig.run_id's rule.)"""
+    try:
+        cfg = json.loads(row["config"])
+        if hashlib.sha256(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16] != rid:
+            return "index row damaged: its config does not hash to the run id"
+    except (TypeError, ValueError):
+        return "index row damaged: config is not JSON"
+    try:
+        if not isinstance(json.loads(row["summary"]), dict):
+            raise ValueError
+    except (TypeError, ValueError):
+        return "index row damaged: summary is not a JSON object"
+    return None
+
+
+# ------------------------------------------------------------------------------------ checking run files
+def _readable(path: Path) -> str | None:
+    """Why a run file cannot be read, or None (the check for runs without recorded checksums)."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            load_file(str(path))
+        elif path.name == "metrics.jsonl":
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    json.loads(line)
+        elif path.name == "config.json":
+            from .config import RunConfig
+            if RunConfig.model_validate_json(path.read_text()).run_id != path.parent.name:
+                return "unreadable: its config does not hash to the run id"
+        else:
+            json.loads(path.read_text())
+    except Exception as e:  # noqa: BLE001 - any failure to parse is damage
+        return f"unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+    return None
+
+
+def _check_files(root: Path, rid: str, recorded: dict | None, report: VerifyReport) -> list[Problem]:
+    d = root / "runs" / rid
+    rel = f"runs/{rid}"
+    if not d.is_dir():
+        return [Problem(rid, rel, "run directory missing")]
+    out = []
+    if recorded:
+        for name in REQUIRED_FILES:
+            if name not in recorded:
+                out.append(Problem(rid, "index.sqlite", f"index row damaged: no checksum recorded for {name}"))
+        for name, (sha, size) in sorted(recorded.items()):
+            f = d / name
+            if not f.is_file():
+                out.append(Problem(rid, f"{rel}/{name}", "missing (half-written or partly deleted run directory)"))
+                continue
+            got_sha, got_size = sha256_file(f)
+            report.files += 1
+            if got_size < size:
+                out.append(Problem(rid, f"{rel}/{name}", f"truncated ({got_size:,} of {size:,} bytes)"))
+            elif got_size != size:
+                out.append(Problem(rid, f"{rel}/{name}", f"size changed ({got_size:,} bytes, {size:,} written)"))
+            elif got_sha != sha:
+                out.append(Problem(rid, f"{rel}/{name}", "contents changed since written (SHA-256 mismatch)"))
+        return out
+    names = list(REQUIRED_FILES) + sorted(f"snapshots/{p.name}" for p in (d / "snapshots").glob("step_*.safetensors"))
+    for name in names:
+        f = d / name
+        if not f.is_file():
+            out.append(Problem(rid, f"{rel}/{name}", "missing (half-written or partly deleted run directory)"))
+        elif (why := _readable(f)) is not None:
+            out.append(Problem(rid, f"{rel}/{name}", why))
+    return out
+
+
+# ------------------------------------------------------------------------------------ verify / repair
+def verify_store(root: str | os.PathLike, repair: bool = False) -> VerifyReport:
+    """Check every finished run of the store at ``root`` (see the module docstring); with ``repair``
+    re-queue the damaged runs and rebuild a damaged index. Never creates a store."""
+    root = Path(root)
+    index = root / "index.sqlite"
+    if not index.is_file():
+        raise StoreError(f"no run store at {str(root)!r} (no index.sqlite there)")
+    done, sums, ids, error = _read_index(index)
+    report = VerifyReport(root)
+    if error:
+        report.index_damaged = True
+        report.problems.append(Problem(None, "index.sqlite", f"the index is damaged: {error}"))
+    for rid, row in sorted(done.items()):
+        report.runs += 1
+        why = _row_problem(rid, row)
+        if why:
+            report.problems.append(Problem(rid, "index.sqlite", why))
+        recorded = sums.get(rid)
+        if not recorded:
+            report.unverified.append(rid)
+        report.problems += _check_files(root, rid, recorded, report)
+    if not report.index_damaged:  # (with a damaged index every directory would look unfinished)
+        run_dirs = sorted(p.name for p in (root / "runs").iterdir() if p.is_dir()) if (root / "runs").is_dir() else []
+        report.unfinished = [r for r in run_dirs if r not in done]
+    if not repair or report.healthy:
+        return report
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if report.index_damaged:
+        report.requeued, report.rebuilt = _rebuild_index(root, sums, stamp)
+        return report
+    bad = report.damaged_runs
+    store = RunStore(root)
+    with store._connect() as db:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for rid in bad:
+                db.execute("DELETE FROM runs WHERE run_id=?", (rid,))
+                db.execute("DELETE FROM files WHERE run_id=?", (rid,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+    for rid in bad:
+        _move_aside(root, rid, stamp)
+    report.requeued = bad
+    return report
+
+
+def _move_aside(root: Path, rid: str, stamp: str) -> None:
+    d = root / "runs" / rid
+    if d.is_dir():
+        (root / "damaged").mkdir(exist_ok=True)
+        shutil.move(str(d), str(root / "damaged" / f"{rid}.{stamp}"))
+
+
+def _rebuild_index(root: Path, salvaged: dict, stamp: str) -> tuple[list[str], int]:
+    """Move the damaged index aside, then index every intact finished run directory again."""
+    from .config import RunConfig
+    for suffix in ("", "-wal", "-shm"):
+        f = root / f"index.sqlite{suffix}"
+        if f.exists():
+            os.replace(f, root / f"index.sqlite.damaged.{stamp}{suffix}")
+    store = RunStore(root)  # a fresh, empty index
+    requeued, indexed = [], 0
+    scratch = VerifyReport(root)
+    for d in sorted(p for p in (root / "runs").iterdir() if p.is_dir()):
+        rid = d.name
+        if not (d / "summary.json").is_file():
+            continue  # never finished (summary.json is written last): a sweep trains it anyway
+        # against the checksums still readable from the damaged index, else for readability
+        if _check_files(root, rid, salvaged.get(rid), scratch):
+            requeued.append(rid)
+            _move_aside(root, rid, stamp)
+            continue
+        cfg = RunConfig.model_validate_json((d / "config.json").read_text())
+        summary = json.loads((d / "summary.json").read_text())
+        names = list(REQUIRED_FILES) + sorted(f"snapshots/{p.name}" for p in (d / "snapshots").glob("step_*.safetensors"))
+        now = time.time()
+        with store._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("INSERT INTO runs(run_id, status, task, path, seed, model, config, summary, owner, created,"
+                           " updated) VALUES(?, 'done', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           (rid, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                            json.dumps(cfg.canonical(), sort_keys=True), json.dumps(summary), store.owner, now, now))
+                db.executemany("INSERT INTO files(run_id, name, sha256, size) VALUES(?, ?, ?, ?)",
+                               [(rid, n, *sha256_file(d / n)) for n in names])
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        indexed += 1
+    return requeued, indexed
+
