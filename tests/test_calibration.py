@@ -227,3 +227,27 @@ def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
     note = provenance_note(store, cells)
     assert "mixes 2 code versions" in note and "0.0.9@" in note
     assert "warning" in capsys.readouterr().err
+
+
+def test_register_refuses_after_a_prediction_row_and_names_the_record(tmp_path):
+    from softprior.calibration.doc import register
+    from softprior.calibration.search import Candidate, candidate_configs
+    from softprior.calibration.robustness import prediction_rows
+    space = load_space("tiny")
+    store = RunStore(tmp_path / "s")
+    cand = Candidate(0, {"task.n_pairs": "6", "model.prior_scale": "2.0"}, {"n_pairs": 6}, {"prior_scale": 2.0},
+                     "fails", 0.5, 2, {"unforced|normal": 0.9}, {}, {}, [])
+    doc = tmp_path / "CAL.md"
+    rec = register(space, store, [cand], steps=4, doc=doc)
+    assert rec["passes"] is False and len(rec["hash"]) == 16 and rec["registered_at"].endswith("Z")
+    assert rec["hash"] in doc.read_text() and "NO candidate passes" in doc.read_text()
+    (row, seed, cfg), *_ = candidate_configs(space, cand.task_options, cand.model_options, [0],
+                                             rows=prediction_rows("assoc_recall"), steps=4)
+    assert check_calibrated([cfg], store.root) == {cfg.run_id: rec["hash"]}
+    # a second candidate whose prediction row was trained first cannot be pre-registered
+    other = Candidate(1, {"task.n_pairs": "4"}, {"n_pairs": 4}, {}, "fails", 0.4, 2, {}, {}, {}, [])
+    (_, _, early), *_ = candidate_configs(space, other.task_options, other.model_options, [0],
+                                          rows=prediction_rows("assoc_recall"), steps=4)
+    execute([early], store, progress=False, require_calibration=False)
+    with pytest.raises(ValueError, match="trained before its calibration record"):
+        register(space, store, [other], steps=4)

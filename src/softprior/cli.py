@@ -205,6 +205,10 @@ def _paper(args, train: bool) -> int:
         write_report(store, exp, cells, out / exp.name)
     doc = args.doc or str(out / "RESULTS.md")
     write_results_doc(out, doc, names=[e.name for e, _ in exps])
+    if args.readme:  # the verdicts at a glance, generated from the same tables
+        from .paper import load_tables, verdict_summary
+        from .report import splice_into_doc
+        splice_into_doc(args.readme, "verdicts", verdict_summary(load_tables(out)))
     print(Path(doc).read_text().split("\n## ", 2)[1] if "\n## " in Path(doc).read_text() else "")
     print(f"wrote {len(exps)} experiments under {out}/ and {doc}", file=sys.stderr)
     return 1 if failed else 0
@@ -261,6 +265,10 @@ def cmd_calibrate(args) -> int:
         cands = load_candidates(space, store)
     if args.register:
         from .calibration.doc import register
+        from .calibration.search import complete_nearest
+        cands = complete_nearest(space, store, cands, executor=args.executor, workers=args.workers,
+                                 group_size=args.group, progress=not args.no_progress, address=args.address,
+                                 steps=args.steps)
         rec = register(space, store, cands, steps=args.steps, ship=args.ship, doc=args.doc)
         print(f"registered {rec['hash']} at {rec['registered_at']}: {rec['task_options']} {rec['model_options']}"
               f" ({'passes' if rec['passes'] else 'NO candidate passes: nearest'})", file=sys.stderr)
@@ -268,7 +276,8 @@ def cmd_calibrate(args) -> int:
     if args.robustness:
         from .calibration.robustness import fade_points, run_robustness
         rep = run_robustness(space, store, cands, executor=args.executor, workers=args.workers,
-                             group_size=args.group, progress=not args.no_progress, steps=args.steps)
+                             group_size=args.group, progress=not args.no_progress, steps=args.steps,
+                             all_fade=args.fade_points)
         print(rep.line(), file=sys.stderr)
         fade = fade_points(space, store, cands, steps=args.steps)
     else:
@@ -403,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--plugin", action="append", help="a Python file that registers experiments or paths")
         r.add_argument("--doc", default=None, help="also splice the table into this markdown file "
                        "(between <!-- table:NAME --> markers)")
+        r.add_argument("--readme", default=None, help="paper only: also splice the verdict summary into this file")
         if name == "reproduce":
             r.add_argument("--executor", default="local", choices=["local", "ray"])
             r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray)")
@@ -428,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(writes src/softprior/calibration/registered/TASK.json)")
     c.add_argument("--robustness", action="store_true", help="train the prediction rows of every passing "
                    "candidate (needs a registered record) and count the claims")
+    c.add_argument("--fade-points", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --robustness: also fade600 at seed 0 on every candidate, for the figure")
     c.add_argument("--store", default="runs")
     c.add_argument("--out", default=None, help="output directory (default results/calibration/SPACE)")
     c.add_argument("--doc", default=None, help="splice the generated blocks into this markdown file")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PAPER", "OURS", "Cond", "PaperClaim", "CLAIMS", "verdicts", "verdict_table", "write_results_doc",
+__all__ = ["PAPER", "OURS", "Cond", "PaperClaim", "CLAIMS", "verdicts", "verdict_table", "verdict_summary", "write_results_doc",
            "paper_cells"]
 
 PAPER = ["removability", "paths", "causal_controls", "fade_window", "fade_shapes", "markov_paths", "linear_paths",
@@ -133,6 +133,14 @@ def verdict_table(tables) -> str:
     lines = ["| claim | paper | verdict | measured (predicate) |", "|---|---|---|---|"]
     for cl, v, ev in verdicts(tables):
         lines.append(f"| {cl.statement} | {cl.paper} | **{v}** | {'; '.join(ev)} |")
+    return "\n".join(lines)
+
+
+def verdict_summary(tables) -> str:
+    """One line per claim: the verdict only (the README's view; RESULTS.md has the evidence)."""
+    lines = ["| paper claim | verdict here |", "|---|---|"]
+    for cl, v, _ in verdicts(tables):
+        lines.append(f"| {cl.statement} | {v} |")
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from ..config import make_run_config
 from .criteria import Criterion, Row, criteria_for, difficulty_rows
 from .space import SearchSpace
 
-__all__ = ["Candidate", "run_search", "load_candidates", "candidate_configs", "measure", "PromotionPruner",
+__all__ = ["Candidate", "run_search", "load_candidates", "complete_nearest", "candidate_configs", "measure", "PromotionPruner",
            "formation_step", "study_name"]
 
 
@@ -239,6 +239,37 @@ def _finish(tr, res, means, values, form, n_seeds):
     tr.set_user_attr("passes", all(r.ok for r in res))
 
 
+def _nearest_file(space: SearchSpace, store):
+    return store.root / "calibration" / f"{study_name(space)}-nearest.json"
+
+
+def complete_nearest(space: SearchSpace, store, cands: list[Candidate], k: int = 5, *, executor: str = "local",
+                     workers: int = 1, group_size: int = 6, progress: bool = True, address: str | None = None,
+                     steps: int | None = None) -> list[Candidate]:
+    """When no candidate passes, the ``k`` nearest that were pruned after the first seeds are measured
+    on every seed (difficulty rows only), so the nearest candidate is chosen on as many seeds as a
+    passing one would be (a declared rule; the results are kept beside the study)."""
+    from ..executors import execute
+    if any(c.status == "passes" for c in cands):
+        return cands
+    todo = sorted([c for c in cands if c.status == "pruned" and not math.isnan(c.distance)],
+                  key=lambda c: (c.distance, c.cid))[:k]
+    full = list(range(space.seeds))
+    cfgs = [cfg for c in todo for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, full, steps=steps)]
+    if cfgs:
+        execute(cfgs, store, executor=executor, workers=workers, group_size=group_size, address=address,
+                progress=progress, sweep_bar=progress, require_calibration=False)
+    f = _nearest_file(space, store)
+    done = json.loads(f.read_text()) if f.exists() else {}
+    for c in todo:
+        res, means, values, form = measure(space, store, c.task_options, c.model_options, full, steps=steps)
+        done[c.cid] = {"distance": sum(r.gap for r in res), "passes": all(r.ok for r in res), "means": means,
+                       "values": values, "formation": form, "checks": {r.name: r.ok for r in res}}
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(done, indent=1, sort_keys=True))
+    return load_candidates(space, store)
+
+
 def load_candidates(space: SearchSpace, store) -> list[Candidate]:
     """Every measured candidate of the space's study, in trial order (duplicates of an earlier
     parameter set, e.g. a re-enqueued trial, are listed once)."""
@@ -268,4 +299,13 @@ def load_candidates(space: SearchSpace, store) -> list[Candidate]:
         out.append(Candidate(t.number, dict(t.params), t_opts, m_opts, status, dist, a.get("n_seeds", 0),
                              a.get("means", {}), a.get("values", {}), a.get("checks", {}), a.get("formation", []),
                              a.get("infeasible", "")))
+    f = _nearest_file(space, store)
+    if f.exists():  # measured on every seed after the search (``complete_nearest``)
+        extra = json.loads(f.read_text())
+        for c in out:
+            e = extra.get(c.cid)
+            if e is not None:
+                c.status = "passes" if e["passes"] else "fails"
+                c.distance, c.means, c.values = e["distance"], e["means"], e["values"]
+                c.formation, c.checks, c.n_seeds = e["formation"], e["checks"], space.seeds
     return out
