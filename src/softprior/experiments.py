@@ -247,7 +247,7 @@ def _mechanism_cells(o: Options) -> list[Cell]:
 
 
 def _mechanism_analysis(store, cells, out_dir):
-    from .report import mechanism_report
+    from .analysis.reports import mechanism_report
     return mechanism_report(store, cells, out_dir)
 
 
@@ -328,7 +328,7 @@ def _continuation_cells(o: Options, models=("base",)) -> list[Cell]:
 
 def _continuation_analysis(store, cells, out_dir):
     """The first min(256, n_val) validation examples (128 with --quick), at most 30 H-vector products."""
-    from .report import continuation_report
+    from .analysis.reports import continuation_report
     n = min([256] + [c.cfg.n_val for c in cells])
     return continuation_report(store, cells, out_dir, n_examples=n, max_iter=30)
 

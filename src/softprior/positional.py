@@ -546,13 +546,9 @@ def make_scheme(name: str, *, n_heads: int, d_head: int, d_model: int, n_ctx: in
                 n_layers: int, **options) -> PositionalScheme:
     """Build the scheme instance for one layer. ``options`` are scheme-specific keywords (e.g.
     ``max_len`` for vanilla, ``npos`` for cope, ``num_buckets`` for t5)."""
-    if name not in SCHEMES:
-        from .baselines import GATED_BASELINES  # the one list of baselines (it imports this module)
-        if name in GATED_BASELINES:
-            raise UnknownSchemeError(
-                f"{name!r} is the model's gated soft prior, not a positional scheme: build it with "
-                f"softprior.baselines.resolve_baseline({name!r})")
-        raise UnknownSchemeError(f"unknown positional scheme {name!r}; allowed: {', '.join(SCHEMES)}")
+    if name not in SCHEMES:  # (the baselines module imports this one, so it is named, not imported)
+        raise UnknownSchemeError(f"unknown positional scheme {name!r}; allowed: {', '.join(SCHEMES)} (the gated "
+                                 f"soft-prior baselines are not schemes: softprior.baselines.resolve_baseline)")
     if n_heads * d_head != d_model:
         raise ValueError(f"n_heads * d_head must equal d_model, got {n_heads} * {d_head} != {d_model}")
     if not 0 <= layer < n_layers:

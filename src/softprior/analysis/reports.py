@@ -1,0 +1,314 @@
+"""Reports of the mechanism experiments (mechanism traces and the continuation trace): tables,
+verdict paragraphs and figures computed from a run store's snapshots. They sit beside the measures
+they report (``softprior.analysis``) and take the store and cells as plain objects, so the
+experiment registry can name them without an import cycle through ``softprior.report``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+__all__ = ["mechanism_report", "continuation_report", "spearman"]
+
+
+def mechanism_report(store: RunStore, cells: list[Cell], out: Path, mass_threshold: float = 0.25,
+                     ablation_threshold: float = 0.03) -> str:
+    """Per seed: trace successor-value mass and zero-gate ablation importance from stored snapshots,
+    summarise, and draw heatmaps (step x layer.head) with the fade window marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from . import summarise_trace, trace, trace_matrix
+    from ..schedules import Fade
+    done = [c for c in cells if store.is_done(c.cfg.run_id)]
+    if not done:
+        return ""
+    lines = ["| seed | top successor head (final mass) | first step mass ≥ %.2f | top ablation head (final drop) "
+             "| first step ablation ≥ %.2f |"
+             % (mass_threshold, ablation_threshold), "|---|---|---|---|---|"]
+    fig, axes = plt.subplots(len(done), 2, figsize=(9, 2.6 * len(done)), squeeze=False)
+    for i, c in enumerate(done):
+        snaps = store.load_snapshots(c.cfg.run_id)
+        df = trace(snaps, c.cfg)
+        df.to_csv(out / f"trace_seed{c.cfg.seed}.csv", index=False, float_format="%.6g")
+        s = summarise_trace(df, mass_threshold, ablation_threshold)
+        def head(h):
+            return f"L{h[0]}H{h[1]}" if h is not None else "–"
+
+        def step(v):
+            return "never" if v is None else str(v)
+        lines.append(f"| {c.cfg.seed} | {head(s['top_successor_head'])} ({s['top_successor_mass']:.2f}) | "
+                     f"{step(s['successor_first_step'])} | {head(s['top_ablation_head'])} "
+                     f"({s['top_ablation_importance']:.3f}) | {step(s['ablation_first_step'])} |")
+        sched = c.cfg.path.pos.schedule
+        for j, col in enumerate(("successor_mass", "ablation_importance")):
+            mat = trace_matrix(df, col)
+            ax = axes[i, j]
+            im = ax.imshow(mat.T.values, aspect="auto", cmap="viridis", origin="lower",
+                           extent=(mat.index.min(), mat.index.max(), -0.5, mat.shape[1] - 0.5))
+            ax.set_yticks(range(mat.shape[1]), list(mat.columns), fontsize=6)
+            if isinstance(sched, Fade):
+                for x in (sched.start_step, sched.end_step):
+                    ax.axvline(x, color="white", ls="--", lw=1)
+            ax.set_title(f"seed {c.cfg.seed}: {col}", fontsize=8)
+            fig.colorbar(im, ax=ax, fraction=0.04)
+    axes[-1, 0].set_xlabel("step")
+    axes[-1, 1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "heatmaps.png", dpi=100)
+    plt.close(fig)
+    return "\n".join(lines) + "\n\nHeatmaps: heatmaps.png (dashed lines: fade window).\n"
+
+
+# ------------------------------------------------------------------------------------ continuation trace
+def _ranks(xs):
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    i = 0
+    while i < len(order):  # average ranks over ties
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2.0
+        i = j + 1
+    return r
+
+
+def spearman(xs, ys) -> float:
+    """Spearman's rank correlation (Pearson's r of the average ranks; Spearman 1904). NaN for < 3
+    points or a constant series."""
+    pairs = [(x, y) for x, y in zip(xs, ys) if math.isfinite(x) and math.isfinite(y)]
+    if len(pairs) < 3:
+        return float("nan")
+    rx, ry = _ranks([p[0] for p in pairs]), _ranks([p[1] for p in pairs])
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+
+
+def _mean_std(vals) -> tuple[float, float]:
+    v = [x for x in vals if isinstance(x, (int, float)) and math.isfinite(x)]
+    if not v:
+        return float("nan"), float("nan")
+    m = sum(v) / len(v)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0)
+
+
+def _ms(vals, digits=3) -> str:
+    m, s = _mean_std(vals)
+    return "–" if not math.isfinite(m) else f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_examples: int = 256, max_iter: int = 30,
+                        damping: float = 1e-3, method: str = "minres", threshold: float = 0.03,
+                        threads: int | None = 1) -> str:
+    """The paper's continuation quantities (``softprior.analysis.continuation``) over every stored
+    snapshot of each finished run, a summary table, a verdict paragraph and a figure.
+
+    The circuit C of a (task, model, seed) is the heads of ``circuit_heads`` (zero-gate ablation
+    importance >= ``threshold``) at the final weights of the fade600->0 run of that task, model and
+    seed (the path that forms a zero-gate circuit in the paper), or of the run itself when there is no
+    such run; every path of that seed is measured on the same C (the same seed: the same
+    initialisation). Writes ``continuation_<task>_<path>_seed<s>.csv`` per run and
+    ``continuation.png`` (per task and path, means over seeds: recovery share, its two controls,
+    tracking and solution cosines against the step, the gate on a second axis).
+
+    ``threads``: torch threads for the measurements (restored after; None leaves them). One, like a
+    sweep's workers: on the shared 2-core machine (load ~5) a tangent snapshot took 2.85 s at 1
+    thread and 40.7 s at 2 (docs/PERFORMANCE.md)."""
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from .continuation import circuit_heads, continuation_trace, removal_step
+    from ..tasks import make_task
+
+    done = [c for c in cells if store.is_done(c.cfg.run_id)]
+    if not done:
+        return ""
+
+    def key(c):
+        return (c.cfg.task.name, c.cfg.model.d_model, c.cfg.seed)
+    circuits: dict[tuple, tuple[list, str]] = {}
+    for c in done:
+        if key(c) in circuits:
+            continue
+        refs = [r for r in done if key(r) == key(c) and r.cfg.path.name.startswith("fade600")]
+        ref = refs[0] if refs else c
+        _, model = store.load_model(ref.cfg.run_id)
+        task = make_task(ref.cfg.task)
+        batch = task.sample(n_examples, ref.cfg.model.n_ctx, torch.Generator().manual_seed(ref.cfg.val_seed))
+        circuits[key(c)] = (circuit_heads(model, task, batch, threshold), ref.row)
+
+    frames = []
+    for c in done:
+        heads, _ = circuits[key(c)]
+        parent = c.cfg.parent()
+        offset = parent.total_steps if parent is not None else 0
+        df = continuation_trace(store.load_snapshots(c.cfg.run_id), c.cfg, heads, n_examples=n_examples,
+                                damping=damping, max_iter=max_iter, method=method, step_offset=offset)
+        if df.empty:
+            continue
+        df.to_csv(out / f"continuation_{c.col or c.cfg.task.name}_{c.row}_seed{c.cfg.seed}.csv".replace("/", "_"),
+                  index=False, float_format="%.6g")
+        summary = store.summary(c.cfg.run_id)
+        df = df.assign(task=c.cfg.task.name, col=c.col or c.cfg.task.name, row=c.row, seed=c.cfg.seed,
+                       model=c.cfg.model.d_model, removal=offset + removal_step(c.cfg.path, c.cfg.total_steps),
+                       zero_metric=summary[f"zero_{summary['metric']}"], metric=summary["metric"])
+        frames.append(df)
+    if not frames:
+        return ""
+    all_ = pd.concat(frames, ignore_index=True)
+
+    # ---- per (task column, path): the values at removal, over seeds
+    rows = []
+    for (col, row), g in all_.groupby(["col", "row"], sort=False):
+        at, track, res, tsec = [], [], [], []
+        for _, run in g.groupby("seed"):
+            run = run.sort_values("step")
+            before = run[run["step"] <= run["removal"].iloc[0]]
+            at.append((before if len(before) else run).iloc[-1])
+            moving = run[run["tracking_cos"].notna()]
+            track.append(float(moving["tracking_cos"].mean()) if len(moving) else float("nan"))
+            res += list(moving["rel_residual"])
+            tsec += list(moving["seconds"])
+        rows.append({"col": col, "row": row, "n": len(at), "metric": g["metric"].iloc[0],
+                     "removal_step": int(at[0]["step"]),
+                     "share": [float(r["share"]) for r in at], "control": [float(r["control_share"]) for r in at],
+                     "other": [float(r["other_heads_share"]) for r in at],
+                     "solution_cos": [float(r["solution_cos"]) for r in at], "tracking": track,
+                     "rel_residual": res, "seconds": tsec,
+                     "zero": [float(v) for v in g.groupby("seed")["zero_metric"].first()]})
+    lines = ["Continuation quantities (paper Section 3.3; `softprior.analysis.continuation`), at the last snapshot "
+             "before the path removes the prior (fade S: S; hard switch at s: before s; forced_zero: init; posthoc: "
+             "the unforced end; unforced: its end), mean ± std over seeds. share = ‖P_C ∇L(θ, 0)‖ / ‖∇L(θ, 0)‖ "
+             "on the circuit's Q/K/V/O; controls: random coordinates of the same dimension, and as many heads "
+             "outside the circuit. solution cos = cos(−∇L(θ, 0), θ_final − θ). tracking cos = cos(tangent × Δg, Δθ) "
+             "between snapshots, averaged over the intervals where the gate changes (– where it never does).", "",
+             "| task | path | removal step | share | random control | other heads | solution cos | tracking cos "
+             "| MINRES rel. residual (median) | final zero-gate metric |", "|" + "---|" * 10]
+    for r in rows:
+        med = sorted(x for x in r["rel_residual"] if math.isfinite(x))
+        cells_ = [r["col"], r["row"], str(r["removal_step"]), _ms(r["share"]), _ms(r["control"]), _ms(r["other"]),
+                  _ms(r["solution_cos"]), _ms(r["tracking"]), f"{med[len(med) // 2]:.2f}" if med else "–",
+                  _ms(r["zero"])]
+        lines.append("| " + " | ".join(cells_) + " |")
+    circ = sorted({(k[0], k[1], k[2], ", ".join(f"L{l}H{h}" for l, h in v[0]), v[1]) for k, v in circuits.items()})
+    lines += ["", "Circuit heads C (zero-gate mean-ablation importance ≥ %.2f at the final weights of the run named):"
+              % threshold, ""]
+    lines += [f"- {t} (d_model {d}), seed {s}: {h} (from {src})" for t, d, s, h, src in circ]
+    secs = [x for r in rows for x in r["seconds"]]
+    if secs:
+        lines += ["", f"Cost: {sum(secs) / len(secs):.2f} s per snapshot with a tangent ({len(secs)} snapshots; "
+                  f"{n_examples} examples, ≤ {max_iter} H-vector products), "
+                  f"{float(all_[all_['tracking_cos'].isna()]['seconds'].mean()):.2f} s without."]
+    lines += ["", _continuation_verdict(rows)]
+    _plot_continuation(all_, out / "continuation.png", plt)
+    lines += ["", "Figure: continuation.png (per task and path, means over seeds; gate g_pos dashed, right axis)."]
+    return "\n".join(lines) + "\n"
+
+
+def _continuation_verdict(rows: list[dict]) -> str:
+    """The two questions of the issue, answered from the table's numbers (generated, not written)."""
+    def mean(v):
+        return _mean_std(v)[0]
+    out = ["**Verdict (generated from the table above).**"]
+    acc_cols = list(dict.fromkeys(r["col"] for r in rows if r["metric"] == "acc"))
+    for col in acc_cols:
+        rs = [r for r in rows if r["col"] == col]
+        sh, z = [mean(r["share"]) for r in rs], [mean(r["zero"]) for r in rs]
+        rho = spearman(sh, z)
+        if not math.isfinite(rho):
+            out.append(f"{col}: too few paths with a recovery share to compare ({len(rs)}).")
+            continue
+        order = sorted(rs, key=lambda r: -mean(r["share"]))
+        ans = "yes" if rho >= 0.5 else ("no, the opposite" if rho <= -0.5 else "not clearly")
+        above = sum(mean(r["share"]) > mean(r["control"]) for r in rs)
+        out.append(f"{col}: is the recovery signal at removal larger on the paths whose zero-gate circuit later forms? "
+                   f"**{ans}** (Spearman ρ = {rho:.2f} between the circuit share at removal and the final zero-gate "
+                   f"accuracy over {len(rs)} paths; by share: "
+                   + ", ".join(f"{r['row']} {mean(r['share']):.3f} (zero acc {mean(r['zero']):.3f})" for r in order)
+                   + f"). The circuit's share exceeds the random-coordinate control on {above} of {len(rs)} paths.")
+        tr = {r["row"]: mean(r["tracking"]) for r in rs if math.isfinite(mean(r["tracking"]))}
+        fade = [v for k, v in tr.items() if k.startswith("fade")]
+        hard = [v for k, v in tr.items() if k.startswith("hard_switch")]
+        if fade and hard:
+            out.append(f"Tracking: mean cosine between the optimum's tangent and the actual change over the gate's "
+                       f"move: fade {fade[0]:.3f}, hard switch {hard[0]:.3f} (a fade tracks the optimum more closely: "
+                       f"**{'yes' if fade[0] > hard[0] else 'no'}**).")
+    fz = {r["col"]: r for r in rows if r["row"] == "forced_zero"}
+    lin = [r for c, r in fz.items() if r["metric"] == "mse"]
+    ref = [r for c, r in fz.items() if r["metric"] == "acc"]
+    if lin:
+        x = mean(lin[0]["solution_cos"])
+        msg = (f"{lin[0]['col']}: forced_zero's zero-gate gradient at initialisation has cosine {x:.3f} with the "
+               f"displacement to its final solution (share on its circuit {mean(lin[0]['share']):.3f}, control "
+               f"{mean(lin[0]['control']):.3f})")
+        if ref:
+            y = mean(ref[0]["solution_cos"])
+            msg += (f"; in {ref[0]['col']} it is {y:.3f}. Already better aligned with its solution than in discrete "
+                    f"retrieval: **{'yes' if x > y else 'no'}**.")
+        out.append(msg + ("" if ref else "."))
+    return " ".join(out) if len(out) > 1 else ""
+
+
+def _plot_continuation(df, path: Path, plt) -> None:
+    panels = list(dict.fromkeys(zip(df["col"], df["row"])))
+    cols = list(dict.fromkeys(df["col"]))
+    ncols = max(sum(1 for c, _ in panels if c == col) for col in cols)
+    fig, axes = plt.subplots(len(cols), ncols, figsize=(3.6 * ncols, 2.9 * len(cols)), squeeze=False)
+    used = set()
+    for i, col in enumerate(cols):
+        for j, (_, row) in enumerate(p for p in panels if p[0] == col):
+            ax = axes[i, j]
+            used.add((i, j))
+            g = df[(df["col"] == col) & (df["row"] == row)]
+            m = g.groupby("step").mean(numeric_only=True).sort_index()
+            x = m.index.values
+            ax.plot(x, m["share"], color="tab:blue", marker=".", label="circuit share")
+            ax.plot(x, m["control_share"], color="tab:blue", ls=":", label="random coordinates")
+            if m["other_heads_share"].notna().any():
+                ax.plot(x, m["other_heads_share"], color="tab:cyan", ls="-.", label="other heads")
+            ax.plot(x, m["solution_cos"], color="tab:green", ls="--", label="solution cos")
+            tc = m["tracking_cos"]
+            if tc.notna().any():
+                ax.plot(x[tc.notna().values], tc.dropna(), color="tab:red", marker="o", ls="-", label="tracking cos")
+            ax.axhline(0, color="gray", lw=0.5)
+            ax.set_ylim(-1.02, 1.02)
+            ax2 = ax.twinx()
+            ax2.plot(x, m["g_pos"], color="black", ls="--", lw=1)
+            ax2.set_ylim(-0.02, 1.02)
+            ax2.set_ylabel("gate", fontsize=7)
+            ax.set_title(f"{col}: {row} (n={g['seed'].nunique()})", fontsize=8)
+            ax.set_xlabel("step", fontsize=7)
+            ax.tick_params(labelsize=7)
+            ax2.tick_params(labelsize=7)
+    for i in range(len(cols)):
+        for j in range(ncols):
+            if (i, j) not in used:
+                axes[i, j].axis("off")
+    legend = [("circuit share", dict(color="tab:blue", marker=".")), ("random coordinates", dict(color="tab:blue", ls=":")),
+              ("other heads", dict(color="tab:cyan", ls="-.")), ("solution cos", dict(color="tab:green", ls="--")),
+              ("tracking cos", dict(color="tab:red", marker="o")), ("g_pos (right axis)", dict(color="black", ls="--"))]
+    fig.legend([plt.Line2D([], [], **kw) for _, kw in legend], [n for n, _ in legend], loc="lower center", ncol=6,
+               fontsize=7)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.subplots_adjust(wspace=0.5)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
