@@ -33,17 +33,19 @@ class Cond:
     op: str  # ">=" or "<="
     value: float = 0.0
     other: tuple[str, str] | None = None  # (row, column)
+    stat: str = "mean"  # or "std": the spread over seeds
 
     def measure(self, tables) -> tuple[bool | None, str]:
         t = tables.get(self.experiment, {})
-        x = t.get((self.row, self.column))
+        x = t.get((self.row, self.column) if self.stat == "mean" else (self.row, self.column, self.stat))
         y = t.get(self.other) if self.other else 0.0
         if x is None or y is None:
             return None, f"{self.row} {self.column}: not measured"
         ref = y + self.value
         ok = x >= ref if self.op == ">=" else x <= ref
         rhs = f"{self.other[0]} {self.other[1]} ({y:.3f}){self.value:+.2f}" if self.other else f"{self.value:g}"
-        return ok, f"{self.row} {self.column} {x:.3f} {self.op} {rhs}"
+        what = f"{self.row} {self.column}" + (f" {self.stat}" if self.stat != "mean" else "")
+        return ok, f"{what} {x:.3f} {self.op} {rhs}"
 
 
 @dataclass(frozen=True)
@@ -54,16 +56,17 @@ class PaperClaim:
     conditions: tuple[Cond, ...]
 
 
-def _c(exp, row, col, op, value=0.0, other=None):
-    return Cond(exp, row, col, op, value, other)
+def _c(exp, row, col, op, value=0.0, other=None, stat="mean"):
+    return Cond(exp, row, col, op, value, other, stat)
 
 
 _FADES = [f"fade{s}" for s in (400, 500, 600, 700, 800)]
 _SHAPES = ["fade600"] + [f"fade600->0:{s}" for s in ("cosine", "convex", "concave", "two_step")]
 CLAIMS: list[PaperClaim] = [
     PaperClaim("difficulty", "Difficulty rows (the calibration targets): unforced is learned with the prior and "
-               "collapses without it; forced_zero stays near chance", "unforced .780 / .100, forced_zero .094",
+               "collapses without it; forced_zero stays near chance", "unforced .780±.007 / .100, forced_zero .094",
                (_c("removability", "unforced", "normal", ">=", 0.73), _c("removability", "unforced", "normal", "<=", 0.83),
+                _c("removability", "unforced", "normal", "<=", 0.05, stat="std"),
                 _c("removability", "unforced", "zero", "<=", 0.15), _c("removability", "forced_zero", "zero", "<=", 0.15))),
     PaperClaim("unforced relies", "Unforced models rely on the prior: high normal, chance at zero gate",
                "Table 2: .772 normal / .095 zero", (_c("causal_controls", "unforced", "normal", ">=", 0.5),
@@ -101,14 +104,16 @@ CLAIMS: list[PaperClaim] = [
 
 
 def load_tables(results_dir: str | Path) -> dict[str, dict[tuple[str, str], float]]:
-    """experiment -> (row, column) -> mean, from ``results_dir/NAME/table.csv``."""
+    """experiment -> (row, column) -> mean and (row, column, "std") -> std, from ``results_dir/NAME/table.csv``."""
     import pandas as pd
     out = {}
     for p in sorted(Path(results_dir).glob("*/table.csv")):
         df = pd.read_csv(p, keep_default_na=False)
         if df.empty:
             continue
-        out[p.parent.name] = {(str(r), str(c)): float(m) for r, c, m in zip(df["row"], df["column"], df["mean"])}
+        t = {(str(r), str(c)): float(m) for r, c, m in zip(df["row"], df["column"], df["mean"])}
+        t.update({(str(r), str(c), "std"): float(v) for r, c, v in zip(df["row"], df["column"], df["std"])})
+        out[p.parent.name] = t
     return out
 
 
@@ -129,10 +134,25 @@ def verdicts(tables) -> list[tuple[PaperClaim, str, list[str]]]:
     return out
 
 
-def verdict_table(tables) -> str:
-    lines = ["| claim | paper | verdict | measured (predicate) |", "|---|---|---|---|"]
+def table_calibration(results_dir: str | Path, name: str) -> str:
+    """The calibration record(s) named by an experiment's table (its provenance line), or 'legacy'
+    for a table written before run summaries recorded provenance."""
+    import re
+    md = Path(results_dir) / name / "table.md"
+    if not md.exists():
+        return "-"
+    m = re.search(r"calibration record ([^;_]*)", md.read_text())
+    if not m:
+        return "legacy (before provenance)"
+    return ", ".join(x.split(" (")[0] for x in m.group(1).strip().rstrip(".").split(", "))
+
+
+def verdict_table(tables, results_dir: str | Path | None = None) -> str:
+    lines = ["| claim | paper | verdict | measured (predicate) | calibration of the table |", "|---|---|---|---|---|"]
     for cl, v, ev in verdicts(tables):
-        lines.append(f"| {cl.statement} | {cl.paper} | **{v}** | {'; '.join(ev)} |")
+        cal = ", ".join(dict.fromkeys(table_calibration(results_dir, c.experiment) for c in cl.conditions)) \
+            if results_dir is not None else "-"
+        lines.append(f"| {cl.statement} | {cl.paper} | **{v}** | {'; '.join(ev)} | {cal} |")
     return "\n".join(lines)
 
 
@@ -165,14 +185,19 @@ def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extr
     """Generate ``doc`` (the whole file) from the tables under ``results_dir``."""
     results_dir = Path(results_dir)
     tables = load_tables(results_dir)
-    parts = [_HEAD, verdict_table(tables), ""]
+    parts = [_HEAD, verdict_table(tables, results_dir), ""]
     if extra:
         parts += [extra, ""]
     for name in names or (PAPER + OURS):
         md = results_dir / name / "table.md"
         if md.exists():
             tag = " (ours, not in the paper)" if name in OURS else ""
-            parts += [f"## {name}{tag}", "", md.read_text().strip().replace("### " + name + "\n", "", 1), ""]
+            body = md.read_text().strip().replace("### " + name + "\n", "", 1)
+            parts += [f"## {name}{tag}", "", body, ""]
+            if "_Provenance of" not in body:
+                parts += ["_This table predates provenance records: it was measured on the legacy calibration "
+                          "(`CALIBRATION.md`) with an earlier engine, and has not been re-run on the "
+                          f"pre-registered one (`softprior reproduce {name}`)._", ""]
             for fig in ("figure.png", "curves.png", "heatmaps.png", "continuation.png"):
                 if (results_dir / name / fig).exists():
                     rel = Path(__import__("os").path.relpath(results_dir / name / fig, Path(doc).parent))
