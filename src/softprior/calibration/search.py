@@ -174,10 +174,10 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
     crit = criteria_for(space.task)
     first, full = list(range(space.first_seeds)), list(range(space.seeds))
 
-    def n_measured():
-        return sum(1 for t in study.get_trials(deepcopy=False)
-                   if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-                   or (t.state == TrialState.FAIL and "infeasible" in t.user_attrs))
+    def n_measured():  # distinct candidates: a sampler may propose a parameter set again
+        return len({json.dumps(t.params, sort_keys=True) for t in study.get_trials(deepcopy=False)
+                    if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+                    or (t.state == TrialState.FAIL and "infeasible" in t.user_attrs)})
 
     def run(cfgs):
         if cfgs:
