@@ -148,7 +148,7 @@ def cmd_eval(args) -> int:
     length = cfg.model.n_ctx if args.length is None else args.length
     if length < task.min_length():
         raise CliError(f"--length {length} is too short for {cfg.task.name}; minimum {task.min_length()}")
-    val = task.sample(cfg.n_val, length, torch.Generator().manual_seed(cfg.val_seed))
+    val = cfg.validation_batch(task, length=length)
     res = evaluate(model, task, val.inputs, val.targets, gp, gc)
     with torch.no_grad():
         g_pos, g_content = model.gates(gp, gc)

@@ -61,6 +61,15 @@ class RunConfig(BaseModel):
             raise ValueError(f"model.vocab must equal task.vocab={t.vocab} and d_in be None for {t.name}")
         return self
 
+    def validation_batch(self, task=None, n: int | None = None, length: int | None = None):
+        """The fixed validation set (SPEC section 7): ``n`` (default ``n_val``) examples at ``length``
+        (default the training context) from ``val_seed``, the same for every run that shares them."""
+        import torch
+
+        from .tasks import make_task
+        task = task if task is not None else make_task(self.task)
+        return task.sample(n or self.n_val, length or self.model.n_ctx, torch.Generator().manual_seed(self.val_seed))
+
     @property
     def total_steps(self) -> int:
         return self.path.steps or self.steps

@@ -101,7 +101,7 @@ def _train_group(cfgs, init_states, progress, device) -> list[RunResult]:
     clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs], device=dev)
     data_gens = [seeded_generator(c.seed, 0) for c in cfgs]
     drop_gens = [seeded_generator(c.seed, 1) for c in cfgs]
-    val = task.sample(c0.n_val, T, torch.Generator().manual_seed(c0.val_seed))
+    val = c0.validation_batch(task)
     val_inputs, val_targets = val.inputs.to(dev), val.targets.to(dev)
     loss_pos = task.loss_positions(T)
     dual = torch.tensor([float(c.path.dual_loss) for c in cfgs], device=dev)

@@ -39,7 +39,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 __all__ = [
     "PositionalScheme", "AdditiveBias", "make_scheme", "SCHEMES", "UnknownSchemeError", "alibi_slopes", "t5_bucket",

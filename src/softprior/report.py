@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
 
 from .experiments import Cell, Eval, Experiment
 from .store import RunStore
@@ -54,7 +53,7 @@ def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = N
             _cache[key] = model
     task = make_task(cfg.task)
     length = ev.length or cfg.model.n_ctx
-    val = task.sample(cfg.n_val, length, torch.Generator().manual_seed(cfg.val_seed))
+    val = cfg.validation_batch(task, length=length)
     gp, gc = ev.gates if ev.gates is not None else (None, None)
     return float(evaluate(model, task, val.inputs, val.targets, gp, gc)[m])
 

@@ -174,7 +174,7 @@ def _train(cfg: RunConfig, *, init_state, resume, on_checkpoint, progress) -> Ru
     for p in params:  # zero (not None) grads for unused params, e.g. a forced gate's logit: AdamW then
         p.grad = torch.zeros_like(p)  # treats them exactly as the grouped engine does (engine.py)
     data_gen, drop_gen = seeded_generator(cfg.seed, 0), seeded_generator(cfg.seed, 1)
-    val = task.sample(cfg.n_val, T, torch.Generator().manual_seed(cfg.val_seed))
+    val = cfg.validation_batch(task)
     loss_pos = task.loss_positions(T)
     metrics: list[dict] = []
     snapshots: list[tuple[int, dict]] = []

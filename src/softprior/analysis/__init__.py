@@ -282,7 +282,7 @@ def trace(snapshots: Sequence[tuple[int, dict[str, torch.Tensor]]], cfg, batch=N
     task = task if task is not None else make_task(cfg.task)
     if batch is None:
         n = n_examples or cfg.n_val
-        batch = task.sample(n, cfg.model.n_ctx, torch.Generator().manual_seed(cfg.val_seed))
+        batch = cfg.validation_batch(task, n=n)
     with torch.random.fork_rng(devices=[]):  # the init is overwritten; leave the caller's RNG alone
         model = SoftPriorTransformer(cfg.model)
     model.eval()

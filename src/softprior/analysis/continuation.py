@@ -608,7 +608,7 @@ def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batc
 
     task = task if task is not None else make_task(cfg.task)
     if batch is None:
-        batch = task.sample(n_examples, cfg.model.n_ctx, torch.Generator().manual_seed(cfg.val_seed))
+        batch = cfg.validation_batch(task, n=n_examples)
     with torch.random.fork_rng(devices=[]):
         model = SoftPriorTransformer(cfg.model)
     model.eval()

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # type names only: importing them would close a cycle through the registry
+    from ..experiments import Cell
+    from ..store import RunStore
 
 __all__ = ["mechanism_report", "continuation_report", "spearman"]
 
@@ -153,7 +158,7 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
         ref = refs[0] if refs else c
         _, model = store.load_model(ref.cfg.run_id)
         task = make_task(ref.cfg.task)
-        batch = task.sample(n_examples, ref.cfg.model.n_ctx, torch.Generator().manual_seed(ref.cfg.val_seed))
+        batch = ref.cfg.validation_batch(task, n=n_examples)
         circuits[key(c)] = (circuit_heads(model, task, batch, threshold), ref.row)
 
     frames = []

@@ -158,7 +158,6 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
                group_size: int = 6, batch: int = 4, progress: bool = True, address: str | None = None,
                steps: int | None = None, log=print) -> list[Candidate]:
     """Measure up to ``budget`` candidates in total (a resumed search counts those already measured)."""
-    import optuna
     from optuna.distributions import CategoricalDistribution
     from optuna.trial import TrialState
 
