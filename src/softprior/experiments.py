@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .config import RunConfig, make_run_config
+from .registry import Registry
 
 __all__ = ["Eval", "Cell", "Experiment", "Options", "register_experiment", "get_experiment", "list_experiments",
            "load_plugin", "PluginError", "UnknownExperimentError", "UnknownTaskFilterError", "NORMAL", "ZERO"]
@@ -96,24 +97,19 @@ class Experiment:
     analysis: Callable | None = None  # extra analysis (e.g. mechanism traces): f(store, cells, out_dir) -> md
 
 
-_REGISTRY: dict[str, Experiment] = {}
+EXPERIMENTS: Registry[Experiment] = Registry("experiment", UnknownExperimentError, describe=lambda e: e.description)
 
 
 def register_experiment(exp: Experiment, *, overwrite: bool = False) -> Experiment:
-    if exp.name in _REGISTRY and not overwrite:
-        raise ValueError(f"experiment {exp.name!r} is already registered (pass overwrite=True)")
-    _REGISTRY[exp.name] = exp
-    return exp
+    return EXPERIMENTS.register(exp.name, exp, overwrite=overwrite)
 
 
 def get_experiment(name: str) -> Experiment:
-    if name not in _REGISTRY:
-        raise UnknownExperimentError(f"unknown experiment {name!r}; allowed: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    return EXPERIMENTS[name]
 
 
 def list_experiments() -> list[tuple[str, str]]:
-    return [(e.name, e.description) for e in _REGISTRY.values()]
+    return EXPERIMENTS.listing()
 
 
 class PluginError(ValueError):
@@ -256,33 +252,8 @@ register_experiment(Experiment(
     "ablation importance per head over training", _mechanism_cells, analysis=_mechanism_analysis))
 
 
-# ------------------------------------------------------------------------------------- calibration
-# Task-difficulty calibration (issue: calibrate only against the paper's unforced and forced_zero
-# rows). Each entry: label -> (assoc_recall task options, model options). Extend the grid here.
-CALIBRATION_GRID: dict[str, tuple[dict, dict]] = {
-    "pairs10": ({"n_pairs": 10}, {}),
-    "pairs12": ({"n_pairs": 12}, {}),
-    "pairs14": ({"n_pairs": 14}, {}),
-    "pairs12 prior x2": ({"n_pairs": 12}, {"prior_scale": 2.0}),
-}
-
-
-def _calibration_cells(o: Options) -> list[Cell]:
-    cells = []
-    for label, (topts, mopts) in CALIBRATION_GRID.items():
-        for path in ("unforced", "forced_zero"):
-            for seed in range(o.n_seeds(3)):
-                cfg = make_run_config("assoc_recall", path, seed, task_options=topts, model_options=mopts,
-                                      **o.run_kwargs())
-                cells.append(Cell(cfg, row=label, col=path))
-    return cells
-
-
-register_experiment(Experiment(
-    "calibration", "task/initialisation candidates vs the paper's difficulty rows (unforced .780/.100 normal/zero, "
-    "forced_zero .094 zero), base model, 3 seeds", _calibration_cells,
-    paper={(label, c): v for label in CALIBRATION_GRID for c, v in
-           (("unforced normal", ".780±.007"), ("unforced zero", ".100±.006"), ("forced_zero zero", ".094±.013"))}))
+# Calibration is its own command (``softprior calibrate``, ``softprior.calibration``): a search, not
+# an experiment of the paper.
 
 
 # ------------------------------------------------------------------------------------- our addition

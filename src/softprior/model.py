@@ -43,6 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .registry import Registry
+
 __all__ = ["ModelConfig", "SoftPriorTransformer", "MODEL_PRESETS", "model_preset", "UnknownModelError",
            "HookError", "OBSERVE_ONLY_HOOKS", "shape_gate"]
 
@@ -112,15 +114,13 @@ class ModelConfig(BaseModel):
 # hook points whose value the forward computes for inspection only (a replacement raises HookError)
 OBSERVE_ONLY_HOOKS = ("hook_result",)
 
-MODEL_PRESETS = {
+MODEL_PRESETS = Registry("model", UnknownModelError, {
     "base": dict(n_layers=2, n_heads=4, d_model=64),
     "large": dict(n_layers=4, n_heads=4, d_model=128),
-}
+}, describe=lambda sizes: ", ".join(f"{k}={v}" for k, v in sizes.items()))
 
 
 def model_preset(name: str, **overrides) -> ModelConfig:
-    if name not in MODEL_PRESETS:
-        raise UnknownModelError(f"unknown model {name!r}; allowed: {', '.join(MODEL_PRESETS)}")
     return ModelConfig(**{**MODEL_PRESETS[name], **overrides})
 
 

@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .registry import Registry
 from .schedules import Constant, Fade, HardSwitch, Linear, Schedule
 
 try:  # Python >= 3.11
@@ -94,15 +95,12 @@ class PathConfig(BaseModel):
 
 
 # ---------------------------------------------------------------- registry of named paths
-_FIXED_PATHS: dict[str, PathConfig] = {}
+_FIXED_PATHS: Registry[PathConfig] = Registry("path", describe=lambda p: p.description)
 
 
 def register_path(path: PathConfig, *, overwrite: bool = False) -> PathConfig:
     """Make ``path`` available by name to ``get_path`` and the CLI."""
-    if path.name in _FIXED_PATHS and not overwrite:
-        raise ValueError(f"path {path.name!r} is already registered (pass overwrite=True)")
-    _FIXED_PATHS[path.name] = path
-    return path
+    return _FIXED_PATHS.register(path.name, path, overwrite=overwrite)
 
 
 register_path(PathConfig(name="unforced", description="both gates learned freely (sigmoid of a trained logit)"))
@@ -211,7 +209,7 @@ def _validation_summary(e: ValidationError) -> str:
 
 def list_paths() -> list[tuple[str, str]]:
     """(name, one-line description) for every named path and parametrised family."""
-    rows = [(p.name, p.description) for p in _FIXED_PATHS.values()]
+    rows = _FIXED_PATHS.listing()
     rows += [(name, desc) for _, name, desc in _PATTERNS]
     return rows
 

@@ -38,6 +38,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .registry import Registry
 import torch.nn as nn
 
 __all__ = [
@@ -526,7 +528,7 @@ class GPSA(PositionalScheme):
 
 
 # ============================================================================ registry
-SCHEMES: dict[str, tuple[type[PositionalScheme], str]] = {
+SCHEMES: Registry[tuple[type[PositionalScheme], str]] = Registry("positional scheme", UnknownSchemeError, describe=lambda e: e[1], entries={
     "vanilla": (LearnedAbsolute, "learned absolute position table added to the token embeddings"),
     "nope": (NoPE, "no positional encoding; causal mask only"),
     "rope": (RoPE, "rotary embedding of q and k over the full head dim (base 10000)"),
@@ -538,7 +540,7 @@ SCHEMES: dict[str, tuple[type[PositionalScheme], str]] = {
     "cope": (CoPE, "contextual positions: counts of sigmoid(q.k) gates, interpolated embeddings"),
     "dape": (DAPE, "Kerple-log bias plus an MLP over (logits, bias) across heads"),
     "gpsa": (GPSA, "ConViT gated mix of content and positional (delta, delta^2) softmaxes"),
-}
+})
 
 
 def make_scheme(name: str, *, n_heads: int, d_head: int, d_model: int, n_ctx: int, layer: int,

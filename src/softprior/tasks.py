@@ -52,6 +52,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .registry import Registry
+
 __all__ = ["AssocRecallConfig", "MarkovConfig", "LinearICLConfig", "TaskConfig", "Batch", "Task",
            "make_task", "TASKS", "list_tasks", "UnknownTaskError"]
 
@@ -382,11 +384,11 @@ class LinearICL(Task):
         return float(((pred - y[:, -1].double()) ** 2).mean() / d)
 
 
-TASKS = {
+TASKS = Registry("task", UnknownTaskError, {  # name -> (config class, task class, description)
     "assoc_recall": (AssocRecallConfig, AssocRecall, "key/value pairs then a query key; predict its value (acc)"),
     "markov": (MarkovConfig, Markov, "Markov induction: per-sequence successor map, repeat prob p (acc)"),
     "linear_icl": (LinearICLConfig, LinearICL, "in-context linear regression, Garg et al. 2022 (query MSE / d)"),
-}
+}, describe=lambda entry: entry[2])
 
 
 def make_task(cfg) -> Task:
@@ -394,13 +396,11 @@ def make_task(cfg) -> Task:
 
 
 def task_config(name: str, **overrides):
-    if name not in TASKS:
-        raise UnknownTaskError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
     return TASKS[name][0](**overrides)
 
 
 def list_tasks() -> list[tuple[str, str]]:
-    return [(k, v[2]) for k, v in TASKS.items()]
+    return TASKS.listing()
 
 
 __all__ += ["task_config"]
