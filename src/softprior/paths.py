@@ -46,6 +46,19 @@ class GateConfig(BaseModel):
     value: float | None = Field(None, ge=0.0, le=1.0, description="the constant for mode=fixed")
     schedule: Schedule | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_spelling(cls, data):
+        """A constant schedule is the fixed mode: both spellings of one trajectory are one config (one
+        run id)."""
+        if isinstance(data, dict) and data.get("mode") == "scheduled":
+            sch = data.get("schedule")
+            kind, value = (sch.get("kind"), sch.get("value")) if isinstance(sch, dict) else \
+                (getattr(sch, "kind", None), getattr(sch, "value", None))
+            if kind == "constant":
+                data = {k: v for k, v in data.items() if k != "schedule"} | {"mode": "fixed", "value": value}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "GateConfig":
         if self.mode == "fixed" and self.value is None:
