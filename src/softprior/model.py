@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .registry import Registry
 
-__all__ = ["ModelConfig", "SoftPriorTransformer", "MODEL_PRESETS", "model_preset", "UnknownModelError",
+__all__ = ["ModelConfig", "SoftPriorTransformer", "build_model", "MODEL_PRESETS", "model_preset", "UnknownModelError",
            "HookError", "OBSERVE_ONLY_HOOKS", "shape_gate"]
 
 
@@ -399,3 +399,11 @@ class SoftPriorTransformer(nn.Module):
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def build_model(cfg) -> SoftPriorTransformer:
+    """A run's model, initialised from a forked global RNG seeded with the run seed (``cfg``: a
+    RunConfig; the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return SoftPriorTransformer(cfg.model)

@@ -29,7 +29,7 @@ import torch
 
 from .config import RunConfig
 from .fastpath import model_forward
-from .model import SoftPriorTransformer
+from .model import SoftPriorTransformer, build_model  # noqa: F401 - build_model: re-exported (train.build_model)
 from .optim import AdamW
 from .paths import PathConfig
 from .provenance import provenance
@@ -56,12 +56,6 @@ class RunResult:
 def seeded_generator(seed: int, stream: int) -> torch.Generator:
     """An independent generator per (seed, stream): 0 = data, 1 = prior dropout."""
     return torch.Generator().manual_seed(seed * 1_000_003 + stream * 7919 + 17)
-
-
-def build_model(cfg: RunConfig) -> SoftPriorTransformer:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        return SoftPriorTransformer(cfg.model)
 
 
 _DECAYED = ("embed.weight", "in_proj.weight", "out_proj.weight", "read_in.weight", "read_out.weight")
