@@ -250,7 +250,7 @@ def test_attention_patterns_shapes_and_gates(recall):
 # ------------------------------------------------------------------------ traces
 def test_trace_and_summary(recall):
     _, task, _ = recall
-    cfg = make_run_config(task="assoc_recall", path="unforced", model=recall_cfg(),
+    cfg = make_run_config(task="assoc_recall", path="unforced", model=recall_cfg(), calibrated=False,
                           task_options=dict(n_pairs=8, n_keys=15), n_val=128)
     hand = hand_recall_model().state_dict()
     rand = SoftPriorTransformer(recall_cfg()).state_dict()

@@ -27,7 +27,7 @@ from softprior.engine import train_group
 from softprior.train import train
 
 SIGNATURE = ("2.13.0+cpu", "AVX512", "x86_64")
-KW = dict(steps=4, eval_every=2, n_val=16, batch_size=8)
+KW = dict(steps=4, eval_every=2, n_val=16, batch_size=8, calibrated=False)  # the digests predate the calibration
 PATHS = ["unforced", "prior_dropout", "dual_loss", "linear0.5->0"]
 
 REFERENCE = {

@@ -14,7 +14,7 @@ def _cfg(path="unforced", **m):
 
 def test_init_only_differences_share_a_group_and_train_as_apart():
     a = _cfg(embed_init_std=0.3, prior_init="bounded", prior_scale=2.0, prior_cap=3.0)
-    b = _cfg("fade600", prior_init="alibi", prior_layers=(0, 1))
+    b = _cfg("fade600", embed_init_std=1.0, prior_init="alibi", prior_layers=(0, 1))
     assert group_key(a) == group_key(b)
     assert group_key(a) != group_key(_cfg(content_rank=4))  # shapes differ: no
     together = train_group([a, b])

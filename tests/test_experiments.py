@@ -6,7 +6,7 @@ import pytest
 
 from softprior.cli import main
 from softprior.executors import execute
-from softprior.experiments import (Cell, Experiment, Options, UnknownExperimentError, get_experiment,
+from softprior.experiments import (QUICK_STEPS, Cell, Experiment, Options, UnknownExperimentError, get_experiment,
                                    list_experiments, load_plugin, register_experiment)
 from softprior.report import aggregate, collect, markdown_table, write_report
 from softprior.store import RunStore
@@ -23,7 +23,7 @@ def test_every_spec_experiment_is_registered_and_builds():
     for n in SPEC_EXPERIMENTS:
         assert n in names
         cells = get_experiment(n).build(Options(quick=True))
-        assert cells and all(c.cfg.steps == 100 for c in cells)
+        assert cells and all(c.cfg.steps == QUICK_STEPS for c in cells)
     with pytest.raises(UnknownExperimentError, match="allowed"):
         get_experiment("nope")
 

@@ -95,7 +95,8 @@ def test_quick_keeps_the_shape_of_every_path():
             g = [c.cfg.path.pos.value_at(s, c.cfg.total_steps) for s in range(c.cfg.total_steps)]
             assert g[0] == 0.5 and g[-1] == 0.0 and any(0 < x < 0.5 for x in g)
         if c.row == "hard_switch1050":
-            assert c.cfg.path.pos.value_at(52, 180) == 0.5 and c.cfg.path.pos.value_at(53, 180) == 0.0
+            at = round(1050 * f)
+            assert c.cfg.path.pos.value_at(at - 1, 180) == 0.5 and c.cfg.path.pos.value_at(at, 180) == 0.0
     # the full run is untouched
     full = get_experiment("causal_controls").build(Options(seeds=1))
     assert next(c for c in full if c.row == "fade600").cfg.path == get_path("fade600")

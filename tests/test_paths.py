@@ -24,7 +24,9 @@ def _both(p: PathConfig, step: int, total: int = TOTAL):
 @pytest.fixture
 def clean_registry(monkeypatch):
     """Registrations made by a test are undone afterwards."""
-    monkeypatch.setattr(paths_mod, "_FIXED_PATHS", dict(paths_mod._FIXED_PATHS))
+    from softprior.registry import Registry
+    old = paths_mod._FIXED_PATHS
+    monkeypatch.setattr(paths_mod, "_FIXED_PATHS", Registry(old.kind, old.error, old, old.describe))
 
 
 # ------------------------------------------------------------------ named paths

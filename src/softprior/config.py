@@ -103,10 +103,12 @@ class RunConfig(BaseModel):
 def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "unforced", seed: int = 0,
                     model: str | ModelConfig = "base", steps: int | None = None,
                     task_options: dict | None = None, model_options: dict | None = None,
-                    baseline: str | None = None, **overrides) -> RunConfig:
+                    baseline: str | None = None, calibrated: bool = True, **overrides) -> RunConfig:
     """Build a RunConfig from names (as the CLI does) plus overrides. ``baseline`` (one of
-    ``softprior.baselines.BASELINES``) sets the model's positional scheme and the path."""
-    if isinstance(task, str):  # the task's pre-registered calibration (calibration/record.py) is the default
+    ``softprior.baselines.BASELINES``) sets the model's positional scheme and the path.
+    ``calibrated``: start from the task's pre-registered calibration (``calibration/registered``;
+    True) or from the plain config defaults (False: the first version's task and initialisation)."""
+    if isinstance(task, str) and calibrated:  # the task's pre-registered calibration is the default
         from .calibration.record import default_options
         t_def, m_def = default_options(task)
         task_options = {**t_def, **(task_options or {})}

@@ -223,14 +223,13 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     cfgs = _unique(cfgs)
-    from .calibration.record import check_calibrated, covering_records
+    from .calibration.record import check_calibrated
     if require_calibration:
         check_calibrated([c for c in cfgs if not store.is_done(c.run_id)], store.root)
     report = SweepReport(total=len(cfgs))
     report.skipped = sum(store.is_done(c.run_id) for c in cfgs)
     # derived runs need their parents: parents form the first phase
     parents = _unique([c.parent() for c in cfgs if c.parent() is not None])
-    records = covering_records(cfgs + parents, store.root)  # run id -> the calibration record it trains under
     phases = [[p for p in parents if p.run_id not in {c.run_id for c in cfgs}], [c for c in cfgs if c.parent() is None],
               [c for c in cfgs if c.parent() is not None]]
     if executor == "ray":
@@ -263,9 +262,9 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
                     inits = [store.load_state(c.parent().run_id) if c.parent() is not None else None for c in job]
                 backend.submit(job, inits)
                 while isinstance(backend, _Serial) and backend.busy():
-                    _collect(backend, store, report, failed_ids, bar, on_result, records)
+                    _collect(backend, store, report, failed_ids, bar, on_result)
             while backend.busy():
-                _collect(backend, store, report, failed_ids, bar, on_result, records)
+                _collect(backend, store, report, failed_ids, bar, on_result)
             # runs claimed by another live process: wait until that process finishes or dies
             while waiting and wait_for_others:
                 still = []
@@ -280,7 +279,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
                     if store.claim(c):  # its owner died: take it over
                         backend.submit([c], [store.load_state(c.parent().run_id)] if c.parent() else None)
                         while backend.busy():
-                            _collect(backend, store, report, failed_ids, bar, on_result, records)
+                            _collect(backend, store, report, failed_ids, bar, on_result)
                         continue
                     still.append(c)
                 waiting = still
@@ -298,7 +297,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     return report
 
 
-def _collect(backend, store, report, failed_ids, bar, on_result, records):
+def _collect(backend, store, report, failed_ids, bar, on_result):
     cfgs, inits, job = backend.next_done()
     if job.engine_error is not None:
         # record and report the engine's exception first, then fall back to one run per job
@@ -312,7 +311,6 @@ def _collect(backend, store, report, failed_ids, bar, on_result, records):
         return
     for c, (res, err) in zip(cfgs, job.outs):
         if res is not None:
-            res.summary["calibration"] = records.get(c.run_id)
             store.save_result(res)
             report.trained += 1
             if on_result:

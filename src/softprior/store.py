@@ -213,8 +213,11 @@ class RunStore:
     # ------------------------------------------------------------------ writing results
     def save_result(self, result) -> None:
         """Write a finished run's files atomically, then commit it as done together with the SHA-256
-        of every file written (table ``files``)."""
+        of every file written (table ``files``). The summary names the calibration record that covers
+        the run's configuration (``calibration.record``; None if none does)."""
+        from .calibration.record import covering_records
         cfg = result.config
+        result.summary.setdefault("calibration", covering_records([cfg], self.root)[cfg.run_id])
         d = self.run_dir(cfg.run_id)
         d.mkdir(parents=True, exist_ok=True)
         sums = {"config.json": _atomic_write_bytes(d / "config.json", cfg.model_dump_json(indent=2).encode()),

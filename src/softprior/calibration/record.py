@@ -77,15 +77,25 @@ def store_records(root: str | Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
 
 
-def shipped_records() -> dict[str, dict]:
-    """The package's pre-registered default per task."""
+def _shipped_files():
     root = resources.files("softprior.calibration") / "registered"
+    return sorted((f for f in root.iterdir() if str(f).endswith(".json")), key=str)
+
+
+def shipped_records() -> dict[str, dict]:
+    """The package's pre-registered default per task (``registered/TASK.json``)."""
     out = {}
-    for f in root.iterdir():
-        if str(f).endswith(".json"):
-            rec = json.loads(f.read_text())
+    for f in _shipped_files():
+        rec = json.loads(f.read_text())
+        if Path(str(f)).stem == rec["task"]:
             out[rec["task"]] = rec
     return out
+
+
+def all_shipped_records() -> list[dict]:
+    """Every record the package ships: the defaults and superseded ones (``legacy-TASK.json``), which
+    stay registered so that the runs made under them remain reproducible."""
+    return [json.loads(f.read_text()) for f in _shipped_files()]
 
 
 def default_options(task: str) -> tuple[dict, dict]:
@@ -112,7 +122,7 @@ def needs_record(cfg) -> bool:
 
 def covering_records(cfgs, root: str | Path) -> dict[str, str | None]:
     """Run id -> hash of the calibration record covering its configuration (None if none does)."""
-    records = [*shipped_records().values(), *store_records(root)]
+    records = [*all_shipped_records(), *store_records(root)]
     out = {}
     for c in cfgs:
         rec = find_record(c, records)
@@ -123,7 +133,7 @@ def covering_records(cfgs, root: str | Path) -> dict[str, str | None]:
 def check_calibrated(cfgs, root: str | Path) -> dict[str, str]:
     """Run id -> record hash for every prediction row; raises ``CalibrationMissing`` for the first
     one no record covers."""
-    records = [*shipped_records().values(), *store_records(root)]
+    records = [*all_shipped_records(), *store_records(root)]
     out = {}
     for c in cfgs:
         if not needs_record(c):
