@@ -78,7 +78,7 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
     splice_into_doc(doc, f"calibration-{space.name}", "\n".join(head) + "\n" + candidates_table(
         space, cands, _fades(space, store, cands, steps)))
     counts = claim_counts(space, store, cands, steps=steps)
-    m = mapped(cands)
+    m = mapped(space, cands)
     passing = [c for c in cands if c.status == "passes"]
     lines = [f"Mapped configurations: {len(m)} ({'the passing ones' if passing else 'NO candidate passes: the nearest'}"
              f"{', nearest ten' if len(passing) > 10 else ''}); rows {', '.join(r.key for r in prediction_rows(space.task))} "

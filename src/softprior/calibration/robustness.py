@@ -32,13 +32,23 @@ def fade_row(task: str) -> Row:
     return Row(path="fade600", task={"p": 0.5}) if task == "markov" else Row(path="fade600")
 
 
-def mapped(cands, limit: int = 10):
+def mapped(space, cands, limit: int = 10):
+    """The configurations the map covers: the passing candidates (nearest ``limit``); if none passes,
+    those measured on every seed (the nearest, completed before registration), nearest first. A
+    distance measured on one seed is not comparable with one on three, so pruned candidates are not
+    mapped. Two spellings of one configuration are mapped once."""
+    from .record import calibration_key
     passing = sorted([c for c in cands if c.status == "passes"], key=lambda c: c.distance)
-    if passing:
-        return passing[:limit]
-    near = sorted([c for c in cands if c.status in ("fails", "pruned") and not math.isnan(c.distance)],
-                  key=lambda c: c.distance)
-    return near[:3]
+    pool = passing or sorted([c for c in cands if c.status == "fails" and not math.isnan(c.distance)],
+                             key=lambda c: (c.distance, c.cid))
+    out, seen = [], set()
+    for c in pool:
+        (_, _, cfg), *_ = candidate_configs(space, c.task_options, c.model_options, [0])
+        key = calibration_key(cfg)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out[:limit]
 
 
 def run_robustness(space, store, cands, *, executor="local", workers=1, group_size=6, progress=True,
@@ -51,7 +61,7 @@ def run_robustness(space, store, cands, *, executor="local", workers=1, group_si
                                  f"{str(store.root)!r}: run `softprior calibrate {space.task} --register` first")
     seeds = list(range(space.seeds))
     cfgs = []
-    for c in mapped(cands):
+    for c in mapped(space, cands):
         cfgs += [cfg for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, seeds,
                                                         rows=prediction_rows(space.task), steps=steps)]
     if all_fade:
@@ -79,7 +89,7 @@ def claim_counts(space, store, cands, steps: int | None = None):
     seeds = list(range(space.seeds))
     rows = prediction_rows(space.task)
     per = []
-    for c in mapped(cands):
+    for c in mapped(space, cands):
         means = dict(c.means)
         means.update(_means(space, store, c, seeds, rows, steps))
         per.append((c, means))

@@ -251,8 +251,14 @@ def complete_nearest(space: SearchSpace, store, cands: list[Candidate], k: int =
     from ..executors import execute
     if any(c.status == "passes" for c in cands):
         return cands
-    todo = sorted([c for c in cands if c.status == "pruned" and not math.isnan(c.distance)],
-                  key=lambda c: (c.distance, c.cid))[:k]
+    from .record import calibration_key
+    todo, seen = [], set()
+    for c in sorted([c for c in cands if c.status == "pruned" and not math.isnan(c.distance)],
+                    key=lambda c: (c.distance, c.cid)):
+        key = calibration_key(candidate_configs(space, c.task_options, c.model_options, [0], steps=steps)[0][2])
+        if key not in seen and len(todo) < k:  # two spellings of one configuration count once
+            seen.add(key)
+            todo.append(c)
     full = list(range(space.seeds))
     cfgs = [cfg for c in todo for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, full, steps=steps)]
     if cfgs:
