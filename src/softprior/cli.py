@@ -266,7 +266,7 @@ def cmd_calibrate(args) -> int:
     if args.register:
         from .calibration.doc import register
         from .calibration.search import complete_nearest
-        cands = complete_nearest(space, store, cands, executor=args.executor, workers=args.workers,
+        cands = complete_nearest(space, store, cands, k=args.complete, executor=args.executor, workers=args.workers,
                                  group_size=args.group, progress=not args.no_progress, address=args.address,
                                  steps=args.steps)
         rec = register(space, store, cands, steps=args.steps, ship=args.ship, doc=args.doc)
@@ -438,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(writes src/softprior/calibration/registered/TASK.json)")
     c.add_argument("--robustness", action="store_true", help="train the prediction rows of every passing "
                    "candidate (needs a registered record) and count the claims")
+    c.add_argument("--complete", type=int, default=5, metavar="K",
+                   help="with --register, when no candidate passes: measure the K nearest on every seed first")
     c.add_argument("--fade-points", action=argparse.BooleanOptionalAction, default=True,
                    help="with --robustness: also fade600 at seed 0 on every candidate, for the figure")
     c.add_argument("--store", default="runs")
