@@ -186,6 +186,9 @@ def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extr
     results_dir = Path(results_dir)
     tables = load_tables(results_dir)
     parts = [_HEAD, verdict_table(tables, results_dir), ""]
+    notes = results_dir / "NOTES.md"  # prose that explains the tables (no numbers: those come from them)
+    if notes.exists():
+        parts += [notes.read_text().strip(), ""]
     if extra:
         parts += [extra, ""]
     for name in names or (PAPER + OURS):
