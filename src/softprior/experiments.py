@@ -298,8 +298,11 @@ def _continuation_cells(o: Options, models=("base",)) -> list[Cell]:
 
 
 def _continuation_analysis(store, cells, out_dir):
-    """The first min(256, n_val) validation examples (128 with --quick), at most 30 H-vector products."""
+    """The first min(256, n_val) validation examples, at most 30 H-vector products (a --quick smoke run:
+    32 examples, 10 products, which shows the shapes, not the numbers)."""
     from .analysis.reports import continuation_report
+    if all(c.cfg.steps <= QUICK_STEPS for c in cells):
+        return continuation_report(store, cells, out_dir, n_examples=32, max_iter=10)
     n = min([256] + [c.cfg.n_val for c in cells])
     return continuation_report(store, cells, out_dir, n_examples=n, max_iter=30)
 
