@@ -88,7 +88,9 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
         per = ", ".join(f"{c.cid}:{'y' if r else ('n' if r is False else '?')}" for c, r in res)
         lines.append(f"| {cl.statement} | {cl.describe()} | {yes} | {tot} | {per} |")
     if figure:
-        lines += ["", f"![candidates]({Path(figure).as_posix()})"]
+        import os
+        rel = os.path.relpath(Path(figure).resolve(), Path(doc).resolve().parent)
+        lines += ["", f"![candidates]({Path(rel).as_posix()})"]
     splice_into_doc(doc, f"robustness-{space.name}", "\n".join(lines))
 
 

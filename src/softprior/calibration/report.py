@@ -55,10 +55,10 @@ def figure(space, cands, fade: dict, path: Path) -> None:
                and not math.isnan(c.distance)]
         if pts:
             ax.scatter(*zip(*pts), **style)
-    ax.set_xlabel("difficulty distance (sum of criterion gaps; 0 = on the paper's rows)")
+    ax.set_xlabel("difficulty distance (sum of criterion gaps; 0 = on the paper's rows)\n"
+                  "measured on 1 seed (pruned) or 3 seeds (passes / fails): not comparable across the two")
     ax.set_ylabel("fade600->0 zero-gate (seed 0)")
     ax.set_title(f"calibration candidates: {space.name}")
-    ax.set_xscale("symlog", linthresh=0.1)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
