@@ -1,0 +1,44 @@
+"""Rotary position embedding (RoPE, Su et al. 2021)."""
+
+from __future__ import annotations
+
+import torch
+from .base import PositionalScheme
+
+
+class RoPE(PositionalScheme):
+    """rope: rotary position embedding over the full head dimension.
+
+    Formula: for k = 0..dh/2-1, inv_freq_k = 1 / base^(2k/dh) (base 10000); at position t the pair
+    (x1, x2) = (x[k], x[k + dh/2]) becomes (x1 cos(t w_k) - x2 sin(t w_k), x1 sin(t w_k) + x2 cos(t w_k)).
+    q is rotated at its query positions, k at its key positions, with the same pairing, so q_i.k_j
+    depends on positions only through i - j. The pairing is the split-halves convention of GPT-NeoX
+    and Hugging Face's ``rotate_half`` (dims k and k + dh/2). x-transformers' ``RotaryEmbedding``
+    pairs adjacent dims (2k, 2k + 1) instead; the two are the same rotation up to one fixed
+    permutation of the head dims applied to both q and k, which leaves q.k unchanged and which the
+    learned Q/K projections absorb, so the function class is the same.
+    Reference: Su et al. 2021 (RoFormer), eq. 34; GPT-NeoX for the pairing; x-transformers
+    ``RotaryEmbedding`` for the base. Unlike x-transformers' default (which rotates only part of the
+    head), all dh dims are rotated, the slowest pair included.
+    No parameters (nothing to share). Beyond the training length: angles t w_k for t >= n_ctx were
+    never seen; the fast pairs wrap around, the slow pairs (w_7 = 10^-3.5 at dh = 16) reach angles
+    never trained. RoPE is known to extrapolate poorly; we keep it as the reference has it."""
+
+    name = "rope"
+
+    def __init__(self, *, base: float = 10000.0, **dims):
+        super().__init__(**dims)
+        if self.d_head % 2:
+            raise ValueError(f"rope needs an even head dimension, got d_head={self.d_head}")
+        self.base = base
+
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        half = self.d_head // 2
+        inv_freq = self.base ** (-torch.arange(half, device=x.device, dtype=torch.float32) * 2 / self.d_head)
+        angle = pos.to(device=x.device, dtype=torch.float32)[:, None] * inv_freq  # (T, dh/2)
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def rotate(self, q, k, qpos, kpos):
+        return self._rotate(q, qpos), self._rotate(k, kpos)
