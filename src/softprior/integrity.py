@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .store import RunStore, StoreError, _model_label, sha256_file
+from .store import RunStore, StoreError, sha256_file
+from .store.index import _model_label
 
 __all__ = ["verify_store", "VerifyReport", "Problem", "REQUIRED_FILES"]
 

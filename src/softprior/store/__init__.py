@@ -1,0 +1,180 @@
+"""The embedded run store: a SQLite index plus one directory per run.
+
+    STORE/index.sqlite            runs(run_id, status, task, path, seed, model, config, summary, error, ...)
+                                  engine_errors(run_ids, error, ...): group engine exceptions, with traceback
+                                  files(run_id, name, sha256, size): checksums of every file a run wrote
+    STORE/runs/RUN_ID/config.json
+    STORE/runs/RUN_ID/metrics.jsonl
+    STORE/runs/RUN_ID/final.safetensors      model weights (safetensors: never pickle)
+    STORE/runs/RUN_ID/summary.json
+    STORE/runs/RUN_ID/snapshots/step_N.safetensors  weights during training (mechanism traces)
+    STORE/runs/RUN_ID/checkpoint.safetensors resumable state while a run is in progress
+
+Runs are keyed by a hash of their canonical config (``RunConfig.run_id``). Every file is written to a
+temporary name and renamed into place; only then is the run committed as done in SQLite, so a killed
+process leaves either a complete run or none. The SHA-256 and size of every file a finished run
+wrote are recorded in the ``files`` table in the same transaction (``softprior store verify`` checks
+them, see ``softprior.integrity``). SQLite runs in WAL mode with a busy timeout; runs are
+claimed in an IMMEDIATE transaction so that two processes never train the same run.
+
+Layout of the code: ``index`` (``RunIndex``: SQLite, leases, checksums, engine errors), ``files``
+(``RunFiles``: run directories, safetensors, checkpoints, snapshots), and ``RunStore`` here, which
+puts the two together (files first, then the index commit) and builds models from stored weights.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from .errors import RunNotFoundError, StoreError
+from .files import RunFiles, sha256_file
+from .index import STALE_SECONDS, RunIndex
+
+__all__ = ["RunStore", "RunIndex", "RunFiles", "StoreError", "RunNotFoundError", "load_results", "sha256_file",
+           "STALE_SECONDS"]
+
+
+class RunStore:
+    """The run store: an index (``RunIndex``) and the runs' files (``RunFiles``) under one root."""
+
+    def __init__(self, root: str | os.PathLike = "runs"):
+        self.root = Path(root)
+        try:
+            (self.root / "runs").mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StoreError(f"store directory {str(self.root)!r} cannot be written: {e.strerror}") from None
+        self.index = RunIndex(self.root, f"{socket.gethostname()}:{os.getpid()}")
+        self.files = RunFiles(self.root)
+
+    @property
+    def owner(self) -> str:
+        """'host:pid' of the process whose claims this store makes (the index holds it)."""
+        return self.index.owner
+
+    @owner.setter
+    def owner(self, value: str) -> None:
+        self.index.owner = value
+
+    # ------------------------------------------------------------------ the index
+    def _connect(self):
+        return self.index._connect()
+
+    def status(self, run_id: str) -> str | None:
+        return self.index.status(run_id)
+
+    def is_done(self, run_id: str) -> bool:
+        return self.index.is_done(run_id)
+
+    def claim(self, cfg: RunConfig) -> bool:
+        """Atomically mark ``cfg`` as running by this process. False if done or held by a live owner."""
+        return self.index.claim(cfg)
+
+    def heartbeat(self, run_id: str) -> None:
+        self.index.heartbeat(run_id)
+
+    def release(self, run_id: str) -> None:
+        """Drop this process's claim on an unfinished run (e.g. on Ctrl-C)."""
+        self.index.release(run_id)
+
+    def file_checksums(self, run_id: str) -> dict[str, tuple[str, int]]:
+        return self.index.file_checksums(run_id)
+
+    def record_failure(self, cfg: RunConfig, error: str) -> None:
+        self.index.record_failure(cfg, error)
+
+    def record_engine_error(self, run_ids: list[str], error: str) -> None:
+        self.index.record_engine_error(run_ids, error)
+
+    def engine_errors(self) -> list[dict]:
+        return self.index.engine_errors()
+
+    def rows(self) -> list[dict]:
+        return self.index.rows()
+
+    def _row(self, run_id: str):
+        return self.index.row(run_id)
+
+    # ------------------------------------------------------------------ files, then the index
+    def run_dir(self, run_id: str) -> Path:
+        return self.files.run_dir(run_id)
+
+    def save_result(self, result) -> None:
+        """Write a finished run's files atomically, then commit it as done together with the SHA-256
+        of every file written (table ``files``). The summary names the calibration record that covers
+        the run's configuration (``calibration.record``; None if none does)."""
+        from ..calibration.record import covering_records
+        cfg = result.config
+        result.summary.setdefault("calibration", covering_records([cfg], self.root)[cfg.run_id])
+        sums = self.files.write_result(result)
+        self.index.commit_done(cfg, result.summary, sums)
+        self.files.drop_checkpoint(cfg.run_id)
+
+    def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
+        self.files.save_checkpoint(run_id, ckpt)
+        self.index.heartbeat(run_id)
+
+    def load_checkpoint(self, run_id: str) -> dict | None:
+        return self.files.load_checkpoint(run_id)
+
+    # ------------------------------------------------------------------ reading
+    def load_config(self, run_id: str) -> RunConfig:
+        return self.files.read_config(self._row(run_id)["run_id"])
+
+    def summary(self, run_id: str) -> dict:
+        import json
+        row = self._row(run_id)
+        if row["status"] != "done":
+            raise RunNotFoundError(f"run {row['run_id']!r} is {row['status']}, not done")
+        return json.loads(row["summary"])
+
+    def metrics(self, run_id: str) -> list[dict]:
+        return self.files.read_metrics(self._row(run_id)["run_id"])
+
+    def load_state(self, run_id: str) -> dict[str, torch.Tensor]:
+        row = self._row(run_id)
+        if row["status"] != "done":
+            raise RunNotFoundError(f"run {row['run_id']!r} is {row['status']}, not done")
+        return self.files.read_state(row["run_id"])
+
+    def load_snapshots(self, run_id: str) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """(step, weights) for every stored snapshot of a finished run, in step order."""
+        return self.files.read_snapshots(self._row(run_id)["run_id"])
+
+    def load_model(self, run_id: str):
+        """(RunConfig, model with the final weights) for a finished run."""
+        from ..model import build_model
+        cfg = self.load_config(run_id)
+        model = build_model(cfg)
+        try:
+            model.load_state_dict(self.load_state(run_id))
+        except RuntimeError as e:
+            raise StoreError(f"run {cfg.run_id!r}: checkpoint does not match its config ({str(e)[:200]})") from None
+        model.eval()
+        return cfg, model
+
+
+def load_results(store: str | os.PathLike | RunStore = "runs"):
+    """A pandas DataFrame with one row per finished run: config fields (flattened) plus summary."""
+    import json
+
+    import pandas as pd
+
+    st = store if isinstance(store, RunStore) else RunStore(store)
+    records = []
+    for r in st.rows():
+        if r["status"] != "done":
+            continue
+        cfg = json.loads(r["config"])
+        flat = pd.json_normalize(cfg, sep=".").iloc[0].to_dict()
+        rec = {"run_id": r["run_id"], "status": r["status"], "model": r["model"], **flat}
+        rec.update(json.loads(r["summary"]))
+        records.append(rec)
+    return pd.DataFrame.from_records(records)

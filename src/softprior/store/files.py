@@ -1,0 +1,133 @@
+"""The run store's files: one directory per run, every file written to a temporary name and
+renamed into place (so a killed process leaves a whole file or none), weights in safetensors (never
+pickle). Nothing here touches the index."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..config import RunConfig
+from .errors import StoreError
+
+__all__ = ["RunFiles", "sha256_file"]
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    """(hex SHA-256, size in bytes) of a file."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            n += len(block)
+    return h.hexdigest(), n
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> tuple[str, int]:
+    """Write ``data`` to ``path`` atomically; return its (SHA-256, size)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest(), len(data)
+
+
+def _atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> tuple[str, int]:
+    """Save ``tensors`` to ``path`` atomically; return the (SHA-256, size) of the file written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={k: json.dumps(v) for k, v in (metadata or {}).items()})
+    digest = sha256_file(tmp)  # what is on disk, read back before it takes the final name
+    os.replace(tmp, path)
+    return digest
+
+
+class RunFiles:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.root / "runs" / run_id
+
+    def write_result(self, result) -> dict[str, tuple[str, int]]:
+        """Write a finished run's files; return {name: (SHA-256, size)} of every file written."""
+        cfg = result.config
+        d = self.run_dir(cfg.run_id)
+        d.mkdir(parents=True, exist_ok=True)
+        sums = {"config.json": _atomic_write_bytes(d / "config.json", cfg.model_dump_json(indent=2).encode()),
+                "metrics.jsonl": _atomic_write_bytes(
+                    d / "metrics.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in result.metrics).encode()),
+                "final.safetensors": _atomic_save_tensors(d / "final.safetensors", result.state_dict,
+                                                          {"run_id": cfg.run_id})}
+        if result.snapshots:
+            (d / "snapshots").mkdir(exist_ok=True)
+            for step, weights in result.snapshots:
+                name = f"snapshots/step_{step:07d}.safetensors"
+                sums[name] = _atomic_save_tensors(d / name, weights, {"step": step})
+        sums["summary.json"] = _atomic_write_bytes(d / "summary.json",
+                                                   json.dumps(result.summary, indent=2, sort_keys=True).encode())
+        return sums
+
+    def drop_checkpoint(self, run_id: str) -> None:
+        (self.run_dir(run_id) / "checkpoint.safetensors").unlink(missing_ok=True)
+
+    def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
+        d = self.run_dir(run_id)
+        d.mkdir(parents=True, exist_ok=True)
+        for step, weights in ckpt.get("snapshots", []):  # snapshots so far survive a kill too
+            f = d / "snapshots" / f"step_{step:07d}.safetensors"
+            if not f.exists():
+                f.parent.mkdir(exist_ok=True)
+                _atomic_save_tensors(f, weights, {"step": step})
+        _atomic_save_tensors(d / "checkpoint.safetensors", ckpt["tensors"], {"meta": ckpt["meta"]})
+
+    def load_checkpoint(self, run_id: str) -> dict | None:
+        f = self.run_dir(run_id) / "checkpoint.safetensors"
+        if not f.exists():
+            return None
+        try:
+            from safetensors import safe_open
+            with safe_open(str(f), framework="pt") as sf:
+                meta = json.loads(sf.metadata()["meta"])
+            snaps = sorted((d / "snapshots").glob("step_*.safetensors")) if (d := self.run_dir(run_id)).exists() else []
+            snapshots = [(int(g.stem.split("_")[1]), load_file(str(g))) for g in snaps]
+            return {"tensors": load_file(str(f)), "meta": meta,
+                    "snapshots": [(st, w) for st, w in snapshots if st <= meta["step"]]}
+        except (SafetensorError, KeyError, ValueError, OSError):
+            return None  # a corrupt checkpoint is ignored: the run restarts from scratch
+
+
+    def read_config(self, run_id: str) -> RunConfig:
+        f = self.run_dir(run_id) / "config.json"
+        try:
+            return RunConfig.model_validate_json(f.read_text())
+        except (OSError, ValueError) as e:
+            raise StoreError(f"run {run_id!r}: config.json is missing or corrupt ({type(e).__name__})") from None
+
+    def read_metrics(self, run_id: str) -> list[dict]:
+        f = self.run_dir(run_id) / "metrics.jsonl"
+        return [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+
+    def read_state(self, run_id: str) -> dict[str, torch.Tensor]:
+        try:
+            return load_file(str(self.run_dir(run_id) / "final.safetensors"))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise StoreError(f"run {run_id!r}: final.safetensors is missing or corrupt ({e})") from None
+
+    def read_snapshots(self, run_id: str) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        d = self.run_dir(run_id) / "snapshots"
+        out = []
+        for f in sorted(d.glob("step_*.safetensors")) if d.exists() else []:
+            try:
+                out.append((int(f.stem.split("_")[1]), load_file(str(f))))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise StoreError(f"run {run_id!r}: snapshot {f.name} is corrupt ({e})") from None
+        return out

@@ -1,0 +1,205 @@
+"""The run store's index: SQLite (WAL mode, busy timeout) holding each run's status, config,
+summary and error, the leases that keep two processes from training one run, the checksums of the
+files a finished run wrote, and group-engine failures. Nothing here reads or writes a run's files."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..config import RunConfig
+from .errors import RunNotFoundError, StoreError
+
+__all__ = ["RunIndex", "STALE_SECONDS"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,            -- running | done | failed
+    task TEXT, path TEXT, seed INTEGER, model TEXT,
+    config TEXT NOT NULL,
+    summary TEXT,
+    error TEXT,
+    owner TEXT,
+    heartbeat REAL,
+    created REAL, updated REAL
+);
+CREATE TABLE IF NOT EXISTS files (
+    run_id TEXT NOT NULL,
+    name TEXT NOT NULL,              -- relative to the run directory, e.g. final.safetensors
+    sha256 TEXT NOT NULL,            -- of the bytes written, computed at write time
+    size INTEGER NOT NULL,
+    PRIMARY KEY (run_id, name)
+);
+CREATE TABLE IF NOT EXISTS engine_errors (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_ids TEXT NOT NULL,           -- JSON list: the group whose training raised
+    error TEXT NOT NULL,             -- 'Type: message' and the traceback
+    owner TEXT,
+    created REAL
+);
+"""
+
+STALE_SECONDS = 6 * 3600.0  # a 'running' claim from another host without a heartbeat for this long is void
+
+
+def _owner_alive(owner: str | None) -> bool:
+    """False when ``owner`` ('host:pid') is a process of this host that no longer exists."""
+    if not owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname():
+        return True  # unknown: rely on the heartbeat
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+def _model_label(cfg: RunConfig) -> str:
+    m = cfg.model
+    return "large" if (m.n_layers, m.d_model) == (4, 128) else ("base" if (m.n_layers, m.d_model) == (2, 64)
+                                                                else f"L{m.n_layers}d{m.d_model}")
+
+
+class RunIndex:
+    def __init__(self, root: Path, owner: str):
+        self.root, self.owner = Path(root), owner
+        with self._connect() as db:
+            db.executescript(_SCHEMA)
+
+    @contextmanager
+    def _connect(self):
+        try:
+            db = sqlite3.connect(self.root / "index.sqlite", timeout=60.0, isolation_level=None)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open the index of store {str(self.root)!r}: {e}") from None
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA busy_timeout=60000")
+            db.row_factory = sqlite3.Row
+            yield db
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"store {str(self.root)!r} index is unreadable: {e}") from None
+        finally:
+            db.close()
+
+    def status(self, run_id: str) -> str | None:
+        with self._connect() as db:
+            row = db.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        return row["status"] if row else None
+
+    def is_done(self, run_id: str) -> bool:
+        return self.status(run_id) == "done"
+
+    def claim(self, cfg: RunConfig) -> bool:
+        """Atomically mark ``cfg`` as running by this process. False if done or held by a live owner."""
+        now = time.time()
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                row = db.execute("SELECT status, owner, heartbeat FROM runs WHERE run_id=?",
+                                 (cfg.run_id,)).fetchone()
+                if row is not None:
+                    if row["status"] == "done":
+                        db.execute("ROLLBACK")
+                        return False
+                    if (row["status"] == "running" and row["owner"] != self.owner and _owner_alive(row["owner"])
+                            and now - (row["heartbeat"] or 0) < STALE_SECONDS):
+                        db.execute("ROLLBACK")
+                        return False
+                db.execute(
+                    "INSERT INTO runs(run_id, status, task, path, seed, model, config, owner, heartbeat, created, updated)"
+                    " VALUES(?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(run_id) DO UPDATE SET status='running', owner=excluded.owner,"
+                    " heartbeat=excluded.heartbeat, error=NULL, updated=excluded.updated",
+                    (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                     json.dumps(cfg.canonical(), sort_keys=True), self.owner, now, now, now))
+                db.execute("COMMIT")
+                return True
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def heartbeat(self, run_id: str) -> None:
+        with self._connect() as db:
+            db.execute("UPDATE runs SET heartbeat=? WHERE run_id=? AND owner=?", (time.time(), run_id, self.owner))
+
+    def release(self, run_id: str) -> None:
+        """Drop this process's claim on an unfinished run (e.g. on Ctrl-C)."""
+        with self._connect() as db:
+            db.execute("UPDATE runs SET heartbeat=0 WHERE run_id=? AND owner=? AND status='running'",
+                       (run_id, self.owner))
+
+    def file_checksums(self, run_id: str) -> dict[str, tuple[str, int]]:
+        """{file name relative to the run directory: (SHA-256, size)} recorded when the run was saved."""
+        with self._connect() as db:
+            rows = db.execute("SELECT name, sha256, size FROM files WHERE run_id=?", (run_id,)).fetchall()
+        return {r["name"]: (r["sha256"], r["size"]) for r in rows}
+
+    def record_failure(self, cfg: RunConfig, error: str) -> None:
+        now = time.time()
+        with self._connect() as db:
+            db.execute(
+                "INSERT INTO runs(run_id, status, task, path, seed, model, config, error, owner, created, updated)"
+                " VALUES(?, 'failed', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(run_id) DO UPDATE SET status='failed', error=excluded.error, updated=excluded.updated",
+                (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                 json.dumps(cfg.canonical(), sort_keys=True), error, self.owner, now, now))
+
+    def record_engine_error(self, run_ids: list[str], error: str) -> None:
+        """Keep the exception (with traceback) of a group engine that failed on ``run_ids`` (the sweep
+        then retrains them alone, so the runs' own rows would not show it)."""
+        with self._connect() as db:
+            db.execute("INSERT INTO engine_errors(run_ids, error, owner, created) VALUES(?, ?, ?, ?)",
+                       (json.dumps(list(run_ids)), error, self.owner, time.time()))
+
+    def engine_errors(self) -> list[dict]:
+        """Recorded group engine failures, oldest first: {run_ids, error, owner, created}."""
+        with self._connect() as db:
+            rows = db.execute("SELECT run_ids, error, owner, created FROM engine_errors ORDER BY id").fetchall()
+        return [{**dict(r), "run_ids": json.loads(r["run_ids"])} for r in rows]
+
+    def rows(self) -> list[dict]:
+        with self._connect() as db:
+            return [dict(r) for r in db.execute("SELECT * FROM runs ORDER BY created")]
+
+    def commit_done(self, cfg: RunConfig, summary: dict, sums: dict[str, tuple[str, int]]) -> None:
+        """Mark a run done with its summary and the checksums of its files, in one transaction."""
+        now = time.time()
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(
+                    "INSERT INTO runs(run_id, status, task, path, seed, model, config, summary, owner, created, updated)"
+                    " VALUES(?, 'done', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(run_id) DO UPDATE SET status='done', summary=excluded.summary, error=NULL,"
+                    " updated=excluded.updated",
+                    (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                     json.dumps(cfg.canonical(), sort_keys=True), json.dumps(summary), self.owner, now, now))
+                db.execute("DELETE FROM files WHERE run_id=?", (cfg.run_id,))
+                db.executemany("INSERT INTO files(run_id, name, sha256, size) VALUES(?, ?, ?, ?)",
+                               [(cfg.run_id, name, h, n) for name, (h, n) in sums.items()])
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def row(self, run_id: str):
+        if not run_id:
+            raise RunNotFoundError(f"empty run id {run_id!r}; give a run id or a prefix of one")
+        with self._connect() as db:
+            rows = db.execute("SELECT * FROM runs WHERE substr(run_id, 1, ?) = ?", (len(run_id), run_id)).fetchall()
+        if not rows:
+            raise RunNotFoundError(f"run {run_id!r} not found in store {str(self.root)!r}")
+        if len(rows) > 1:
+            raise RunNotFoundError(f"run id prefix {run_id!r} is ambiguous: {', '.join(r['run_id'] for r in rows)}")
+        return rows[0]
