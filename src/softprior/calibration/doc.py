@@ -70,7 +70,7 @@ def _record_md(rec: dict) -> str:
 
 def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
     from ..report import splice_into_doc
-    n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible")}
+    n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible", "interrupted")}
     head = [f"Search space `{space.name}` (digest `{space.digest}`, sampler {space.sampler}, "
             f"{space.first_seeds} then {space.seeds} seeds): {len(cands)} candidates measured: "
             + ", ".join(f"{v} {k}" for k, v in n.items()) + ".", "", "Criteria (the only calibration targets):", "",

@@ -30,7 +30,7 @@ def candidates_table(space, cands, fade: dict | None = None) -> str:
     if fade is not None:
         head.append("fade600 zero (seed 0)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in sorted(cands, key=lambda c: (c.status == "infeasible", c.distance if not math.isnan(c.distance) else 9e9, c.cid)):
+    for c in sorted(cands, key=lambda c: (c.status in ("infeasible", "interrupted"), c.distance if not math.isnan(c.distance) else 9e9, c.cid)):
         cells = [c.cid, c.label, c.status + (f" ({c.error[:60]})" if c.error else ""), _fmt(c.distance)]
         for r, g in cols:
             v = c.values.get(f"{r.key}|{g}")

@@ -286,14 +286,21 @@ def load_candidates(space: SearchSpace, store) -> list[Candidate]:
     out, seen = [], set()
     for t in study.get_trials(deepcopy=False):
         key = json.dumps(t.params, sort_keys=True)
-        if t.state in (TrialState.RUNNING, TrialState.WAITING) or (
-                t.state == TrialState.FAIL and "infeasible" not in t.user_attrs):
+        if t.state == TrialState.WAITING or (t.state == TrialState.FAIL and "infeasible" not in t.user_attrs):
             continue
         if key in seen:
             continue
         seen.add(key)
         t_opts, m_opts = space.options(t.params)
         a = t.user_attrs
+        if t.state == TrialState.RUNNING:  # a search in progress or interrupted: what its first seeds show
+            try:
+                res, means, values, form = measure(space, store, t_opts, m_opts, range(space.first_seeds))
+            except Exception:  # noqa: BLE001 - runs not (all) stored yet
+                continue
+            out.append(Candidate(t.number, dict(t.params), t_opts, m_opts, "interrupted", sum(r.gap for r in res),
+                                 space.first_seeds, means, values, {r.name: r.ok for r in res}, form))
+            continue
         if t.state == TrialState.FAIL:
             status = "infeasible"
         elif t.state == TrialState.PRUNED:
