@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from softprior.cli import CliError, main, parse_gates
 from softprior.config import make_run_config
+from softprior.tasks import make_task
 
 SETTINGS = settings(max_examples=25, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -139,7 +140,8 @@ def malformed_command(draw, run_id: str, scratch: Path):
         if which == "run_id":
             v = draw(TEXT.filter(lambda s: not run_id.startswith(s) and not s.startswith("-")))
             return ["eval", v], v, ()
-        v = draw(BAD_GATES if which == "--gates" else st.one_of(NOT_INT, NEGATIVE, st.integers(0, 20).map(str)))
+        too_short = make_task(make_run_config("assoc_recall", "forced_zero").task).min_length() - 1  # the stored run's task
+        v = draw(BAD_GATES if which == "--gates" else st.one_of(NOT_INT, NEGATIVE, st.integers(0, too_short).map(str)))
         return ["eval", run_id, f"{which}={v}"], v, ()
     if kind in ("reproduce", "report"):
         which = draw(st.sampled_from(["name", "--seeds", "--tasks"] + (["--workers", "--group", "--executor"]
