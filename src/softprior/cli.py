@@ -272,17 +272,13 @@ def cmd_calibrate(args) -> int:
         rec = register(space, store, cands, steps=args.steps, ship=args.ship, doc=args.doc)
         print(f"registered {rec['hash']} at {rec['registered_at']}: {rec['task_options']} {rec['model_options']}"
               f" ({'passes' if rec['passes'] else 'NO candidate passes: nearest'})", file=sys.stderr)
-    fade = None
+    from .calibration.robustness import fade_points, run_robustness
     if args.robustness:
-        from .calibration.robustness import fade_points, run_robustness
         rep = run_robustness(space, store, cands, executor=args.executor, workers=args.workers,
                              group_size=args.group, progress=not args.no_progress, steps=args.steps,
                              all_fade=args.fade_points)
         print(rep.line(), file=sys.stderr)
-        fade = fade_points(space, store, cands, steps=args.steps)
-    else:
-        from .calibration.robustness import fade_points
-        fade = fade_points(space, store, cands, steps=args.steps) or None
+    fade = fade_points(space, store, cands, steps=args.steps) or None
     files = write_outputs(space, cands, out, fade)
     if args.doc:
         from .calibration.doc import update_doc

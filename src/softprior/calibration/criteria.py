@@ -14,7 +14,6 @@ passing configurations each claim holds.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Literal
 
@@ -228,7 +227,3 @@ def difficulty_rows(task: str) -> list[Row]:
         if c.row not in out:
             out.append(c.row)
     return out
-
-
-def _canon(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))

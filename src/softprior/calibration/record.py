@@ -133,16 +133,12 @@ def covering_records(cfgs, root: str | Path) -> dict[str, str | None]:
 def check_calibrated(cfgs, root: str | Path) -> dict[str, str]:
     """Run id -> record hash for every prediction row; raises ``CalibrationMissing`` for the first
     one no record covers."""
-    records = [*all_shipped_records(), *store_records(root)]
-    out = {}
-    for c in cfgs:
-        if not needs_record(c):
-            continue
-        rec = find_record(c, records)
-        if rec is None:
+    rows = [c for c in cfgs if needs_record(c)]
+    covered = covering_records(rows, root)
+    for c in rows:
+        if covered[c.run_id] is None:
             raise CalibrationMissing(
                 f"run {c.run_id} ({c.task.name}, {c.path.name}) is a prediction row, and no calibration record "
                 f"covers its task and initialisation; pre-register one with `softprior calibrate "
                 f"{c.task.name} --register`, or train it as exploratory (--exploratory)")
-        out[c.run_id] = rec["hash"]
-    return out
+    return covered

@@ -5,7 +5,7 @@ measured on the difficulty rows of its task (``criteria.difficulty_rows``) first
 ``space.first_seeds`` seeds, then, if promising, on ``space.seeds`` seeds (successive halving over
 seed counts). The promotion rule is declared, not tuned: every per-seed ("each") criterion holds on
 the first seeds, and every mean criterion lies within twice its tolerance (bound-only criteria: within
-0.1). ``PromotionPruner`` applies it through Optuna's pruning interface.
+0.1). A pruner (``_pruner``, built when a search runs) applies it through Optuna's pruning interface.
 
 Trials are asked in batches; all their runs go through ``executors.execute`` in one call, so
 grouping, worker processes, Ray and resume-after-kill work as for any sweep. Optuna's study lives in
@@ -25,7 +25,7 @@ from ..config import make_run_config
 from .criteria import Criterion, Row, criteria_for, difficulty_rows
 from .space import SearchSpace
 
-__all__ = ["Candidate", "run_search", "load_candidates", "complete_nearest", "candidate_configs", "measure", "PromotionPruner",
+__all__ = ["Candidate", "run_search", "load_candidates", "complete_nearest", "candidate_configs", "measure",
            "formation_step", "study_name"]
 
 
@@ -119,9 +119,6 @@ def _pruner():
             return not trial.user_attrs.get("promote", True)
 
     return PromotionPruner()
-
-
-PromotionPruner = None  # built lazily (optuna is imported only when a search runs)
 
 
 def _sampler(space: SearchSpace):
