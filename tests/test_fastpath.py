@@ -15,12 +15,16 @@ from softprior.fastpath import fast_forward, model_forward, supports
 from softprior.tasks import make_task
 from softprior.train import build_model
 
+# markov-determined: loss on most positions, where the last layer runs the plain way (not re-associated)
 CASES = [("assoc_recall", "shared", 2), ("assoc_recall", "head", 1), ("markov", "head", 3),
-         ("linear_icl", "layer", 2)]
+         ("linear_icl", "layer", 2), ("markov-determined", "layer", 2)]
 
 
 def _random_models(task, granularity, n_layers, n_runs=3):
-    cfgs = [make_run_config(task, "unforced", s, model_options=dict(gate_granularity=granularity, n_layers=n_layers))
+    task, _, variant = task.partition("-")
+    task_options = dict(loss_on=variant) if variant else None
+    cfgs = [make_run_config(task, "unforced", s, task_options=task_options,
+                            model_options=dict(gate_granularity=granularity, n_layers=n_layers))
             for s in range(n_runs)]
     models = [build_model(c).double() for c in cfgs]
     g = torch.Generator().manual_seed(7)

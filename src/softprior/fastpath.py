@@ -216,6 +216,10 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
                           params["read_in.weight"].transpose(1, 2)).view(K, B, T, d)
     x = x.reshape(K, B * T, d)
 
+    # the last layer computes queries at the loss positions only, re-associated onto n (point 4): a
+    # saving while few positions carry loss; with loss on most positions (Markov ``loss_on="determined"``,
+    # P = T) the re-associated products cost ~3x a plain layer, so that layer runs the plain way
+    few = 2 * P <= T
     for l in range(L):
         pre = f"blocks.{l}."
         W = params[pre + "attn.in_proj.weight"]  # [K, 3d + 2Hr, d]
@@ -223,7 +227,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
         W_out = params[pre + "attn.out_proj.weight"]  # [K, d, d]
         table = params[pre + "attn.pos_bias"]  # [K, H, n_ctx]
         gp, gc = g_pos[:, l], g_content[:, l]  # [K, H]
-        if l < L - 1:
+        if l < L - 1 or not few:
             if l == 0 and tokens:
                 # layer 0 sees token embeddings only (point 3): LN(E) W^T for the V vocabulary rows
                 # with all in_proj rows in per-head order, scaled, laid out [K, H, V, .], gathered by token
@@ -272,6 +276,8 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             c = torch.bmm(W_out, bn[:, :, 2 * e:].reshape(K, d, 1))  # [K, d, 1] = W_O W_V b
             xq = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
             x = torch.baddbmm(xq + c.transpose(1, 2), nbar, M.permute(0, 1, 3, 2).reshape(K, H * d, d))
+    if not few:
+        x = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
     n = _layer_norm(x)  # [K, B*P, d]
     wf, bf = params["ln_final.weight"], params["ln_final.bias"]
     n = torch.addcmul(bf[:, None, :], n, wf[:, None, :])  # only B*P rows: the affine is cheaper here than folded
