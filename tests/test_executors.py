@@ -220,3 +220,16 @@ def test_ray_executor_gives_the_same_table_as_local(tmp_path, ray_cluster):
         assert report.trained == len(cells) and not report.failed
         tables.append(aggregate(collect(store, cells)))
     assert tables[0].equals(tables[1])
+
+
+def test_jobs_are_balanced_groups_longest_first():
+    from softprior.config import make_run_config
+    from softprior.executors import _jobs
+    base = [make_run_config("assoc_recall", "unforced", s, steps=40, calibrated=False) for s in range(13)]
+    large = [make_run_config("assoc_recall", "unforced", s, model="large", steps=40, calibrated=False) for s in range(3)]
+    jobs = _jobs(base + large, 6)
+    # 13 compatible runs in groups of at most 6: three groups of 5, 4, 4 (not 6, 6, 1)
+    assert sorted(len(j) for j in jobs if j[0].model.n_layers == 2) == [4, 4, 5]
+    assert sorted(c.run_id for j in jobs for c in j) == sorted(c.run_id for c in base + large)
+    # the large model's group is the costliest job and is scheduled first
+    assert jobs[0][0].model.n_layers == 4

@@ -204,8 +204,17 @@ def _jobs(cfgs: list[RunConfig], group_size: int) -> list[list[RunConfig]]:
     for c in (c for c in cfgs if not c.snapshot_every):
         buckets.setdefault(group_key(c), []).append(c)
     for b in buckets.values():
-        jobs += [b[i:i + group_size] for i in range(0, len(b), group_size)]
-    return jobs
+        n = -(-len(b) // group_size)  # as few groups as group_size allows, of equal size (13 -> 5, 4, 4)
+        jobs += [b[i::n] for i in range(n)]
+    # longest first (LPT): the costly groups start early and the short ones fill in at the end, so the
+    # workers finish together instead of the last large group running alone
+    return sorted(jobs, key=_job_cost, reverse=True)
+
+
+def _job_cost(job: list[RunConfig]) -> float:
+    """A relative cost estimate for scheduling: steps x runs x layers x width^2 x context."""
+    m = job[0].model
+    return job[0].total_steps * len(job) * m.n_layers * m.d_model ** 2 * m.n_ctx
 
 
 def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", workers: int = 1,
