@@ -26,6 +26,12 @@ def tiny_config(task="assoc_recall", path="unforced", seed=0, **overrides):
     return make_run_config(task, path, seed, **kw)
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """Tests never write the user's cache (``softprior bench`` saves its group scaling there)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture
 def make_cfg():
     """Factory fixture: ``make_cfg(task=..., path=..., seed=..., **RunConfig overrides)``."""

@@ -153,7 +153,7 @@ def malformed_command(draw, run_id: str, scratch: Path):
         else:
             v = draw({"--seeds": st.one_of(NOT_INT, NEGATIVE, st.just("0")), "--tasks": BAD_TASK_FILTER,
                       "--workers": st.one_of(NOT_INT, NEGATIVE, st.just("0")),
-                      "--group": st.one_of(NOT_INT, NEGATIVE, st.just("0")),
+                      "--group": st.one_of(NOT_INT.filter(lambda s: s.strip() != "auto"), NEGATIVE, st.just("0")),
                       "--executor": TEXT.filter(lambda s: s not in ("local", "ray"))}[which])
             argv = [kind, "removability", f"{which}={v}"]
         return argv + ["--quick", "--out", str(out)] + (["--no-progress"] if kind == "reproduce" else []), v, (out,)

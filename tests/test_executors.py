@@ -233,3 +233,22 @@ def test_jobs_are_balanced_groups_longest_first():
     assert sorted(c.run_id for j in jobs for c in j) == sorted(c.run_id for c in base + large)
     # the large model's group is the costliest job and is scheduled first
     assert jobs[0][0].model.n_layers == 4
+
+
+def test_auto_group_size_is_the_smallest_near_best_k_and_leaves_every_worker_a_group():
+    from softprior.executors import choose_group_size
+    scaling = {1: 10.0, 2: 8.0, 4: 6.2, 8: 6.0, 16: 7.0}
+    assert choose_group_size(1000, 2, scaling) == 4  # 6.2 is within 5% of the best 6.0; smaller balances better
+    assert choose_group_size(6, 2, scaling) == 3  # an equal share per worker: both work
+    assert choose_group_size(1, 2, scaling) == 1
+    assert choose_group_size(1000, 1, {1: 5.0, 2: 9.0}) == 1  # where grouping does not pay, no groups
+
+
+def test_execute_with_auto_group_trains_every_run(tmp_path):
+    from softprior.config import make_run_config
+    from softprior.store import RunStore
+    cfgs = [make_run_config("assoc_recall", "unforced", s, steps=6, calibrated=False) for s in range(3)]
+    rep = execute(cfgs, RunStore(tmp_path), group_size="auto", progress=False)
+    assert rep.ok and rep.trained == 3
+    with pytest.raises(ValueError, match="group_size"):
+        execute(cfgs, RunStore(tmp_path / "b"), group_size="big", progress=False)

@@ -125,6 +125,55 @@ def sweep_bench(n_runs: int, reference_ms: float, steps: int = 3600, workers: in
             "sweep_ratio": round(wall / ref_s, 4)}
 
 
+def measure_group_scaling(ks=(1, 2, 4, 8, 16), steps: int = 30, threads: int = 1, log=print) -> dict[int, float]:
+    """ms per run-step of ``engine.train_group`` for a base-model group of each K in ``ks``, at ``threads``
+    torch threads (a sweep worker's setting): the table ``--group auto`` chooses from
+    (``executors.choose_group_size``)."""
+    from .config import make_run_config
+    from .engine import train_group
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        train_group([make_run_config("assoc_recall", "unforced", 0, steps=5, eval_every=10 ** 6, n_val=64)])  # warm-up
+        out = {}
+        for K in ks:
+            cfgs = [make_run_config("assoc_recall", "fade600" if k % 2 else "unforced", k, steps=steps,
+                                    eval_every=10 ** 6, n_val=64) for k in range(K)]
+            t = time.perf_counter()
+            train_group(cfgs)
+            out[K] = round((time.perf_counter() - t) * 1000 / (steps * K), 3)
+            log(f"  group of K={K} ({threads} thread): {out[K]:.2f} ms per run-step")
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def _scaling_file():
+    import os
+    from pathlib import Path
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "softprior" / "group_scaling.json"
+
+
+def save_group_scaling(scaling: dict[int, float]) -> str:
+    """Save this machine's measured group scaling where ``--group auto`` finds it."""
+    import json
+    f = _scaling_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps({"ms_per_run_step": {str(k): v for k, v in scaling.items()}, "torch": torch.__version__}))
+    return str(f)
+
+
+def load_group_scaling() -> dict[int, float] | None:
+    """The saved table (``save_group_scaling``), or None when this machine has none (or it is unreadable)."""
+    import json
+    try:
+        d = json.loads(_scaling_file().read_text())["ms_per_run_step"]
+        return {int(k): float(v) for k, v in d.items()} or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def run_bench(quick: bool = False, group_size: int = 8, log=print) -> dict:
     """Each implementation is timed at 1 thread and at the machine's thread count and reported at its
     faster one (the thread count tuned to the machine); the per-count figures are in the JSON.
@@ -172,7 +221,12 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     log(f"group of K={group_size} ({o_th} thread(s)): {group:.2f} ms per run-step;  vs single {single / group:.2f}x, "
         f"vs reference {reference / group:.2f}x (a sweep of K runs in one process takes {group / reference:.2f} of "
         f"the time of K sequential reference runs; `--workers 2` runs two such groups at once)")
-    return {"gemm_gflops": round(gemm, 2), "model_gflop_per_step": round(flops / 1e9, 4),
+    log("group scaling (the table `--group auto` chooses from):")
+    scaling = measure_group_scaling((1, 2, 4, 8) if quick else (1, 2, 4, 8, 16), steps=steps if quick else 50, log=log)
+    from .executors import choose_group_size
+    log(f"  saved to {save_group_scaling(scaling)}; --group auto picks K={choose_group_size(10 ** 6, 1, scaling)} "
+        "for a large sweep")
+    return {"group_scaling_ms": {str(k): v for k, v in scaling.items()}, "gemm_gflops": round(gemm, 2), "model_gflop_per_step": round(flops / 1e9, 4),
             "single_ms_per_step": round(single, 3), "reference_ms_per_step": round(reference, 3),
             "group_ms_per_run_step": round(group, 3), "group_size": group_size,
             "mfu": round(mfu, 4), "reference_mfu": round(flops / (reference / 1e3) / (gemm * 1e9), 4),

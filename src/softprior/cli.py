@@ -214,11 +214,23 @@ def _paper(args, train: bool) -> int:
     return 1 if failed else 0
 
 
+def _group_arg(v: str) -> int | str:
+    """--group: a positive int or 'auto'."""
+    if v == "auto":
+        return v
+    try:
+        k = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {v!r}") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {k}")
+    return k
+
+
 def cmd_reproduce(args) -> int:
     from .executors import execute
-    for flag, v in (("--workers", args.workers), ("--group", args.group)):
-        if v < 1:
-            raise CliError(f"{flag} must be >= 1, got {v}")
+    if args.workers < 1:
+        raise CliError(f"--workers must be >= 1, got {args.workers}")
     if args.name == "paper":
         return _paper(args, train=True)
     exp, cells = _experiment(args)
@@ -412,8 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "reproduce":
             r.add_argument("--executor", default="local", choices=["local", "ray"])
             r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray)")
-            r.add_argument("--group", type=int, default=1, help="runs trained together in one process, their "
-                           "parameters stacked on a run dimension (engine.train_group)")
+            r.add_argument("--group", type=_group_arg, default="auto", help="runs trained together in one "
+                           "process, their parameters stacked on a run dimension (engine.train_group); 'auto' "
+                           "(default): chosen from the measured group scaling (executors.choose_group_size)")
             r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
             r.add_argument("--device", default=None, help="where grouped runs (--group > 1) train, e.g. cuda "
                            "(default: $SOFTPRIOR_DEVICE or cpu)")
@@ -443,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--doc", default=None, help="splice the generated blocks into this markdown file")
     c.add_argument("--executor", default="local", choices=["local", "ray"])
     c.add_argument("--workers", type=int, default=1)
-    c.add_argument("--group", type=int, default=6)
+    c.add_argument("--group", type=_group_arg, default="auto", help="runs per group, or 'auto' (as reproduce)")
     c.add_argument("--batch", type=int, default=4, help="candidates asked of Optuna at once")
     c.add_argument("--address", default=None)
     c.add_argument("--steps", type=int, default=None, help="step budget per run (smoke tests only; default 3600)")

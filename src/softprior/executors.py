@@ -29,7 +29,14 @@ from typing import Callable
 from .config import RunConfig
 from .store import RunStore
 
-__all__ = ["execute", "SweepReport", "JobResult", "work"]
+__all__ = ["execute", "SweepReport", "JobResult", "work", "choose_group_size", "GROUP_SCALING"]
+
+# ms per run-step of a base-model group of K runs at 1 thread (each sweep worker's setting), measured by
+# ``benchmarks/scaling.py`` on the development machine (docs/PERFORMANCE.md): per-op overhead is paid
+# once per group, so the cost falls to K = 4-8 and rises again at 16 (the working set leaves the cache).
+# ``softprior bench`` measures this machine's own table and saves it (``bench.save_group_scaling``);
+# ``--group auto`` reads that, else this one.
+GROUP_SCALING: dict[int, float] = {1: 7.82, 2: 8.07, 4: 6.80, 8: 6.22, 16: 6.72}
 
 
 @dataclass
@@ -195,6 +202,19 @@ def _unique(cfgs):
     return out
 
 
+def choose_group_size(n_runs: int, workers: int, scaling: dict[int, float] | None = None) -> int:
+    """``--group auto``: the smallest K whose measured per-run-step time is within 5% of the best
+    (``scaling``: K -> ms per run-step; default: this machine's ``softprior bench`` measurement if
+    saved, else ``GROUP_SCALING``), and no larger than an equal share of ``n_runs`` per worker, so
+    every worker has a group to train."""
+    if scaling is None:
+        from .bench import load_group_scaling
+        scaling = load_group_scaling() or GROUP_SCALING
+    best = min(scaling.values())
+    k = min(k for k, ms in scaling.items() if ms <= 1.05 * best)
+    return max(1, min(k, -(-n_runs // max(workers, 1))))
+
+
 def _jobs(cfgs: list[RunConfig], group_size: int) -> list[list[RunConfig]]:
     if group_size <= 1:
         return [[c] for c in cfgs]
@@ -218,12 +238,13 @@ def _job_cost(job: list[RunConfig]) -> float:
 
 
 def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", workers: int = 1,
-            group_size: int = 1, address: str | None = None, progress: bool = True,
+            group_size: int | str = 1, address: str | None = None, progress: bool = True,
             wait_for_others: bool = True, poll_seconds: float = 2.0, sweep_bar: bool = True,
             on_result: Callable[[RunConfig, dict | None, str | None], None] | None = None,
             require_calibration: bool = True) -> SweepReport:
     """Make sure every config in ``cfgs`` is in ``store``; return what happened.
 
+    ``group_size``: runs per group (``engine.train_group``), or "auto" (``choose_group_size``).
     ``require_calibration``: refuse (``CalibrationMissing``) before training anything when a
     prediction row to be trained has no pre-registered calibration record (calibration/record.py)."""
     t0 = time.perf_counter()
@@ -237,6 +258,10 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
         check_calibrated([c for c in cfgs if not store.is_done(c.run_id)], store.root)
     report = SweepReport(total=len(cfgs))
     report.skipped = sum(store.is_done(c.run_id) for c in cfgs)
+    if group_size == "auto":
+        group_size = choose_group_size(len(cfgs) - report.skipped, workers)
+    elif not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int or 'auto', got {group_size!r}")
     # derived runs need their parents: parents form the first phase
     parents = _unique([c.parent() for c in cfgs if c.parent() is not None])
     phases = [[p for p in parents if p.run_id not in {c.run_id for c in cfgs}], [c for c in cfgs if c.parent() is None],
