@@ -100,3 +100,21 @@ def test_quick_keeps_the_shape_of_every_path():
     # the full run is untouched
     full = get_experiment("causal_controls").build(Options(seeds=1))
     assert next(c for c in full if c.row == "fade600").cfg.path == get_path("fade600")
+
+
+def test_formation_step_and_summary_by_hand(tmp_path):
+    """The step at which normal accuracy first exceeds .5, per seed, beside the verdicts."""
+    from softprior.paper import formation_summary
+    from softprior.report import formation_step
+    rows = [{"step": 300, "normal_acc": 0.2}, {"step": 600, "normal_acc": 0.5}, {"step": 900, "normal_acc": 0.51},
+            {"step": 1200, "normal_acc": 0.3}]
+    assert formation_step(rows) == 900  # strictly above .5; the first such step, even if it drops later
+    assert formation_step(rows[:2]) is None
+    d = tmp_path / "removability"
+    d.mkdir()
+    (d / "formation.csv").write_text("row,column,seed,formation_step\nunforced,,0,900\nunforced,,1,\n"
+                                     "fade600,,0,300\n")
+    text = formation_summary(tmp_path, names=["removability"])
+    assert "| removability | - | seed 0: 900, seed 1: never |" in text
+    assert "300" not in text.split("|---|---|---|")[1]  # only the unforced row
+    assert formation_summary(tmp_path, names=["paths"]) == ""

@@ -148,32 +148,6 @@ def measure_group_scaling(ks=(1, 2, 4, 8, 16), steps: int = 30, threads: int = 1
         torch.set_num_threads(old)
 
 
-def _scaling_file():
-    import os
-    from pathlib import Path
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "softprior" / "group_scaling.json"
-
-
-def save_group_scaling(scaling: dict[int, float]) -> str:
-    """Save this machine's measured group scaling where ``--group auto`` finds it."""
-    import json
-    f = _scaling_file()
-    f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps({"ms_per_run_step": {str(k): v for k, v in scaling.items()}, "torch": torch.__version__}))
-    return str(f)
-
-
-def load_group_scaling() -> dict[int, float] | None:
-    """The saved table (``save_group_scaling``), or None when this machine has none (or it is unreadable)."""
-    import json
-    try:
-        d = json.loads(_scaling_file().read_text())["ms_per_run_step"]
-        return {int(k): float(v) for k, v in d.items()} or None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
 def run_bench(quick: bool = False, group_size: int = 8, log=print) -> dict:
     """Each implementation is timed at 1 thread and at the machine's thread count and reported at its
     faster one (the thread count tuned to the machine); the per-count figures are in the JSON.
@@ -223,7 +197,7 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
         f"the time of K sequential reference runs; `--workers 2` runs two such groups at once)")
     log("group scaling (the table `--group auto` chooses from):")
     scaling = measure_group_scaling((1, 2, 4, 8) if quick else (1, 2, 4, 8, 16), steps=steps if quick else 50, log=log)
-    from .executors import choose_group_size
+    from .executors import choose_group_size, save_group_scaling
     log(f"  saved to {save_group_scaling(scaling)}; --group auto picks K={choose_group_size(10 ** 6, 1, scaling)} "
         "for a large sweep")
     return {"group_scaling_ms": {str(k): v for k, v in scaling.items()}, "gemm_gflops": round(gemm, 2), "model_gflop_per_step": round(flops / 1e9, 4),

@@ -19,22 +19,25 @@ as an error, not as mere slowness.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from .config import RunConfig
 from .store import RunStore
 
-__all__ = ["execute", "SweepReport", "JobResult", "work", "choose_group_size", "GROUP_SCALING"]
+__all__ = ["execute", "SweepReport", "JobResult", "work", "choose_group_size", "GROUP_SCALING", "save_group_scaling",
+           "load_group_scaling"]
 
 # ms per run-step of a base-model group of K runs at 1 thread (each sweep worker's setting), measured by
 # ``benchmarks/scaling.py`` on the development machine (docs/PERFORMANCE.md): per-op overhead is paid
 # once per group, so the cost falls to K = 4-8 and rises again at 16 (the working set leaves the cache).
-# ``softprior bench`` measures this machine's own table and saves it (``bench.save_group_scaling``);
+# ``softprior bench`` measures this machine's own table and saves it (``save_group_scaling``);
 # ``--group auto`` reads that, else this one.
 GROUP_SCALING: dict[int, float] = {1: 7.82, 2: 8.07, 4: 6.80, 8: 6.22, 16: 6.72}
 
@@ -202,13 +205,35 @@ def _unique(cfgs):
     return out
 
 
+def _scaling_file():
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "softprior" / "group_scaling.json"
+
+
+def save_group_scaling(scaling: dict[int, float]) -> str:
+    """Save this machine's measured group scaling where ``--group auto`` finds it."""
+    f = _scaling_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+    f.write_text(json.dumps({"ms_per_run_step": {str(k): v for k, v in scaling.items()}, "torch": torch.__version__}))
+    return str(f)
+
+
+def load_group_scaling() -> dict[int, float] | None:
+    """The saved table (``save_group_scaling``), or None when this machine has none (or it is unreadable)."""
+    try:
+        d = json.loads(_scaling_file().read_text())["ms_per_run_step"]
+        return {int(k): float(v) for k, v in d.items()} or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def choose_group_size(n_runs: int, workers: int, scaling: dict[int, float] | None = None) -> int:
     """``--group auto``: the smallest K whose measured per-run-step time is within 5% of the best
     (``scaling``: K -> ms per run-step; default: this machine's ``softprior bench`` measurement if
     saved, else ``GROUP_SCALING``), and no larger than an equal share of ``n_runs`` per worker, so
     every worker has a group to train."""
     if scaling is None:
-        from .bench import load_group_scaling
         scaling = load_group_scaling() or GROUP_SCALING
     best = min(scaling.values())
     k = min(k for k, ms in scaling.items() if ms <= 1.05 * best)

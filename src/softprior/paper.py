@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PAPER", "OURS", "Cond", "PaperClaim", "CLAIMS", "verdicts", "verdict_table", "verdict_summary", "write_results_doc",
+__all__ = ["PAPER", "OURS", "Cond", "PaperClaim", "CLAIMS", "verdicts", "verdict_table", "verdict_summary", "write_results_doc", "formation_summary",
            "paper_cells"]
 
 PAPER = ["removability", "paths", "causal_controls", "fade_window", "fade_shapes", "markov_paths", "linear_paths",
@@ -181,11 +181,33 @@ is computed from the tables below.
 """
 
 
+def formation_summary(results_dir: str | Path, names=None) -> str:
+    """When the unforced circuit forms (normal accuracy first above .5), per seed, from each experiment's
+    ``formation.csv`` (``report.formation_table``). A diagnostic beside the verdicts, never a target:
+    the paper puts consolidation after the gate reaches zero."""
+    import pandas as pd
+    lines = ["### When the unforced circuit forms", "",
+             "The step at which the unforced model's normal accuracy first exceeds .5, per seed (\"never\": not "
+             "within the run). A diagnostic, not a criterion: the paper's mechanism trace puts consolidation "
+             "after the gate reaches zero.", "", "| experiment | column | steps by seed |", "|---|---|---|"]
+    n = len(lines)
+    for name in names or (PAPER + OURS):
+        f = Path(results_dir) / name / "formation.csv"
+        if not f.exists():
+            continue
+        df = pd.read_csv(f, keep_default_na=False)
+        df = df[df["row"] == "unforced"]
+        for col, g in df.groupby("column", sort=False):
+            steps = [f"seed {int(s)}: {v if v != '' else 'never'}" for s, v in zip(g["seed"], g["formation_step"])]
+            lines.append(f"| {name} | {col or '-'} | {', '.join(steps)} |")
+    return "\n".join(lines) if len(lines) > n else ""
+
+
 def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extra: str = "") -> str:
     """Generate ``doc`` (the whole file) from the tables under ``results_dir``."""
     results_dir = Path(results_dir)
     tables = load_tables(results_dir)
-    parts = [_HEAD, verdict_table(tables, results_dir), ""]
+    parts = [_HEAD, verdict_table(tables, results_dir), "", formation_summary(results_dir, names), ""]
     notes = results_dir / "NOTES.md"  # prose that explains the tables (no numbers: those come from them)
     if notes.exists():
         parts += [notes.read_text().strip(), ""]

@@ -234,6 +234,31 @@ def provenance_note(store: RunStore, cells: list[Cell]) -> str:
     return line
 
 
+def formation_step(metrics: list[dict], metric: str = "acc", level: float = 0.5) -> int | None:
+    """The first evaluated step at which normal accuracy exceeds ``level``: when the circuit forms
+    (a diagnostic, never a calibration target)."""
+    for r in metrics:
+        if r.get(f"normal_{metric}", 0.0) > level:
+            return int(r["step"])
+    return None
+
+
+def formation_table(store: RunStore, cells: list[Cell]):
+    """Per finished accuracy run: row, column, seed and its ``formation_step`` (None: never)."""
+    import pandas as pd
+    rows = []
+    for c in cells:
+        if not store.is_done(c.cfg.run_id):
+            continue
+        sm = store.summary(c.cfg.run_id)
+        if sm.get("metric") != "acc":
+            continue
+        rows.append({"row": c.row, "column": c.col, "seed": c.cfg.seed,
+                     "formation_step": formation_step(store.metrics(c.cfg.run_id))})
+    df = pd.DataFrame(rows, columns=["row", "column", "seed", "formation_step"]).drop_duplicates()
+    return df.astype({"formation_step": "Int64"})
+
+
 def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: str | Path) -> str:
     """Write table.md, table.csv, figure.png (and curves.png) for ``exp``; return the markdown."""
     out = Path(out_dir)
@@ -246,6 +271,7 @@ def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: s
         md += f"\n**{missing} of {len(cells)} runs are missing or failed** (see `softprior reproduce {exp.name}`).\n"
     md += provenance_note(store, cells)
     agg.to_csv(out / "table.csv", index=False, float_format="%.6g")
+    formation_table(store, cells).to_csv(out / "formation.csv", index=False)
     if not agg.empty:
         plot_bars(agg, f"{exp.name}: {exp.description}", out / "figure.png")
         if exp.curves:

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import make_run_config
+from ..report import formation_step
 from .criteria import Criterion, Row, criteria_for, difficulty_rows
 from .space import SearchSpace
 
@@ -68,14 +69,6 @@ def candidate_configs(space: SearchSpace, t_opts: dict, m_opts: dict, seeds, row
             out.append((row, s, make_run_config(space.task, row.path, s, model=space.model, steps=steps,
                                                 task_options={**t_opts, **row.task}, model_options=m_opts)))
     return out
-
-
-def formation_step(metrics: list[dict], metric: str = "acc", level: float = 0.5) -> int | None:
-    """The first evaluated step at which normal accuracy exceeds ``level`` (a diagnostic, never a target)."""
-    for r in metrics:
-        if r.get(f"normal_{metric}", 0.0) > level:
-            return int(r["step"])
-    return None
 
 
 def measure(space: SearchSpace, store, t_opts: dict, m_opts: dict, seeds, steps: int | None = None):
