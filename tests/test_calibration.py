@@ -251,3 +251,20 @@ def test_register_refuses_after_a_prediction_row_and_names_the_record(tmp_path):
     execute([early], store, progress=False, require_calibration=False)
     with pytest.raises(ValueError, match="trained before its calibration record"):
         register(space, store, [other], steps=4)
+
+
+def test_formation_by_axis_names_the_axis_that_moves_formation():
+    from softprior.calibration.report import formation_by_axis
+    from softprior.calibration.search import Candidate
+
+    def cand(n, std, pairs, formation):
+        return Candidate(n, {"model.embed_init_std": json.dumps(std), "task.n_pairs": json.dumps(pairs)}, {}, {},
+                         "fails", formation=formation)
+    # embed std decides whether the circuit forms; n_pairs does not (each value: half of its seeds)
+    cands = [cand(0, 0.3, 6, [900, 1200]), cand(1, 0.3, 10, [1500]), cand(2, 1.0, 6, [None]),
+             cand(3, 1.0, 10, [None, None]), cand(4, 0.3, 6, [])]
+    text = formation_by_axis(cands)
+    assert "**embed_init_std**" in text
+    assert "| embed_init_std | 0.3: 100% of 3, step 1200; 1.0: 0% of 3 |" in text
+    assert "| n_pairs | 6: 67% of 3, step 1050; 10: 33% of 3, step 1500 |" in text
+    assert formation_by_axis([cand(0, 0.3, 6, [])]) == ""

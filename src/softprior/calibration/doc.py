@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .criteria import criteria_for
 from .record import calibration_key, make_record, save_record
-from .report import candidates_table, choose, criteria_text
+from .report import candidates_table, choose, criteria_text, formation_by_axis
 from .robustness import claim_counts, mapped, prediction_rows
 from .search import candidate_configs
 
@@ -75,8 +75,10 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
             f"{space.first_seeds} then {space.seeds} seeds): {len(cands)} candidates measured: "
             + ", ".join(f"{v} {k}" for k, v in n.items()) + ".", "", "Criteria (the only calibration targets):", "",
             criteria_text(space.task), "", "Axes: " + "; ".join(f"`{k}` {v}" for k, v in space.axes.items()), ""]
+    form = formation_by_axis(cands)
     splice_into_doc(doc, f"calibration-{space.name}", "\n".join(head) + "\n" + candidates_table(
-        space, cands, _fades(space, store, cands, steps)))
+        space, cands, _fades(space, store, cands, steps))
+        + (f"\n\nWhen the unforced circuit forms, by axis value (all measured seeds):\n\n{form}" if form else ""))
     counts = claim_counts(space, store, cands, steps=steps)
     m = mapped(space, cands)
     passing = [c for c in cands if c.status == "passes"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .criteria import criteria_for, difficulty_rows
 
-__all__ = ["candidates_table", "write_outputs", "choose"]
+__all__ = ["candidates_table", "write_outputs", "choose", "formation_by_axis"]
 
 
 def _fmt(x, nd=3):
@@ -39,6 +39,51 @@ def candidates_table(space, cands, fade: dict | None = None) -> str:
         if fade is not None:
             cells.append(_fmt(fade.get(c.cid)))
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _sort_key(v):
+    """Numbers in numeric order, then everything else by its text."""
+    return (0, v, "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0, json.dumps(v))
+
+
+def formation_by_axis(cands) -> str:
+    """Which axis moves the step at which the unforced circuit forms (a diagnostic, never a target).
+
+    Over every measured seed of every candidate (its ``formation``: first step with normal accuracy
+    > .5, or None), per axis value: the share of seeds in which the circuit forms and the median step
+    where it does. The axis named first is the one whose values differ most in that share (ties: in
+    the median step)."""
+    import statistics
+    by: dict[str, dict[str, list]] = {}
+    for c in cands:
+        if not c.formation:
+            continue
+        for k, v in c.params.items():
+            by.setdefault(k.split(".", 1)[1], {}).setdefault(v, []).extend(c.formation)
+    if not by:
+        return ""
+
+    def stats(xs):
+        formed = [x for x in xs if x is not None]
+        return len(formed) / len(xs), (statistics.median(formed) if formed else None), len(xs)
+    spread = {}
+    for axis, vals in by.items():
+        st = [stats(xs) for xs in vals.values()]
+        meds = [m for _, m, _ in st if m is not None]
+        spread[axis] = (max(f for f, _, _ in st) - min(f for f, _, _ in st), (max(meds) - min(meds)) if meds else 0)
+    order = sorted(by, key=lambda a: spread[a], reverse=True)
+    lines = ["| axis | value: forms in (share of seeds), median step where it forms |", "|---|---|"]
+    for axis in order:
+        cells = []
+        for v, xs in sorted(by[axis].items(), key=lambda kv: _sort_key(json.loads(kv[0]))):
+            f, med, n = stats(xs)
+            cells.append(f"{json.loads(v)}: {f:.0%} of {n}" + (f", step {med:.0f}" if med is not None else ""))
+        lines.append(f"| {axis} | {'; '.join(cells)} |")
+    top = order[0]
+    lines += ["", f"The axis that moves circuit formation most: **{top}** (its values differ by "
+              f"{spread[top][0]:.0%} in the share of seeds that form the circuit"
+              + (f" and by {spread[top][1]:.0f} steps in the median step" if spread[top][1] else "") + ")."]
     return "\n".join(lines)
 
 
