@@ -299,3 +299,7 @@ def test_reproduce_rejects_an_unusable_device(tmp_path, capsys):
     assert main(["reproduce", "removability", "--quick", "--store", str(tmp_path / "s"), "--device", "cuda:7",
                  "--group", "2", "--no-progress"]) != 0
     assert "--device 'cuda:7'" in capsys.readouterr().err
+    # the whole paper honours --device too (it used to skip the check and train on the CPU)
+    assert main(["reproduce", "paper", "--quick", "--store", str(tmp_path / "s"), "--device", "cuda:7",
+                 "--no-progress", "--out", str(tmp_path / "never")]) != 0
+    assert "--device 'cuda:7'" in capsys.readouterr().err and not (tmp_path / "never").exists()

@@ -108,3 +108,13 @@ def test_the_import_graph_has_no_cycle():
     for m in graph:
         if m not in state:
             visit(m)
+
+
+def test_membership_is_a_plain_question_not_an_error():
+    from softprior.baselines import resolve_baseline
+    from softprior.tasks import TASKS
+    assert "assoc_recall" in TASKS and "no_such_task" not in TASKS
+    from softprior.baselines import UnknownBaselineError
+    with pytest.raises(UnknownBaselineError) as ei:  # the baseline error, not the scheme registry one
+        resolve_baseline("no_such_baseline")
+    assert "baseline" in str(ei.value)

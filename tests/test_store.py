@@ -366,3 +366,33 @@ def test_corrupt_checkpoint_restarts_from_scratch(store, train_calls):
     runner_mod.run(cfg, store)
     assert train_calls[0][1]["resume"] is None
     assert state_dicts_equal(store.load_state(cfg.run_id), full.state_dict)
+
+
+def test_a_live_local_owner_keeps_its_claim_however_old_its_heartbeat(tmp_path):
+    """A sweep that runs for hours keeps the runs it queued; only a dead owner's claim is taken over."""
+    import socket
+    import sqlite3
+    from softprior.config import make_run_config
+    from softprior.store import RunStore
+    cfg = make_run_config("assoc_recall", "unforced", 0, steps=4, calibrated=False)
+    a, b = RunStore(tmp_path), RunStore(tmp_path)
+    b.owner = f"{socket.gethostname()}:{os.getpid()}-other"  # not a pid: treated as alive
+    a.owner = f"{socket.gethostname()}:{os.getpid()}"
+    assert a.claim(cfg)
+    with sqlite3.connect(tmp_path / "index.sqlite") as db:
+        db.execute("UPDATE runs SET heartbeat=0 WHERE run_id=?", (cfg.run_id,))  # hours ago
+    assert not b.claim(cfg)
+    a.record_failure(cfg, "x")  # failures never overwrite a finished run (and a failed run is claimable)
+    assert b.claim(cfg)
+
+
+def test_a_failure_record_never_overwrites_a_finished_run(tmp_path):
+    from softprior.config import make_run_config
+    from softprior.store import RunStore
+    from softprior.train import train
+    cfg = make_run_config("assoc_recall", "unforced", 0, steps=4, eval_every=2, n_val=16, calibrated=False)
+    s = RunStore(tmp_path)
+    assert s.claim(cfg)
+    s.save_result(train(cfg))
+    s.record_failure(cfg, "parent run is not available")  # e.g. written by another sweep meanwhile
+    assert s.is_done(cfg.run_id) and s.summary(cfg.run_id)["run_id"] == cfg.run_id

@@ -227,14 +227,20 @@ def _group_arg(v: str) -> int | str:
     return k
 
 
+def _group_shown(args, cells, store) -> str:
+    """The group size a sweep will use (``auto`` resolved as ``execute`` resolves it)."""
+    if args.group != "auto":
+        return str(args.group)
+    from .executors import choose_group_size
+    todo = len({c.cfg.run_id for c in cells if not store.is_done(c.cfg.run_id)})
+    return f"auto (K = {choose_group_size(todo, args.workers)})"
+
+
 def cmd_reproduce(args) -> int:
     from .executors import execute
     if args.workers < 1:
         raise CliError(f"--workers must be >= 1, got {args.workers}")
-    if args.name == "paper":
-        return _paper(args, train=True)
-    exp, cells = _experiment(args)
-    if args.device:
+    if args.device:  # for one experiment and for the paper alike
         import os
         import torch
         try:
@@ -242,9 +248,13 @@ def cmd_reproduce(args) -> int:
         except (RuntimeError, AssertionError) as e:
             raise CliError(f"--device {args.device!r} is not usable here: {e}") from None
         os.environ["SOFTPRIOR_DEVICE"] = args.device  # read by engine.train_group in every worker
+    if args.name == "paper":
+        return _paper(args, train=True)
+    exp, cells = _experiment(args)
     store = _store(args)
     print(f"{exp.name}: {exp.description}\n{len(cells)} runs, store {args.store}, executor {args.executor}"
-          f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {args.group}", file=sys.stderr)
+          f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {_group_shown(args, cells, store)}",
+          file=sys.stderr)
     report = execute([c.cfg for c in cells], store, executor=args.executor, workers=args.workers,
                      group_size=args.group, address=args.address, progress=not args.no_progress,
                      require_calibration=not args.exploratory)

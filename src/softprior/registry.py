@@ -32,6 +32,9 @@ class Registry(Mapping, Generic[T]):
             raise self.error(f"unknown {self.kind} {name!r}; allowed: {', '.join(self._entries)}"
                              + (f", {self.hint}" if self.hint else "")) from None
 
+    def __contains__(self, name) -> bool:  # Mapping's would call __getitem__, which raises self.error
+        return name in self._entries
+
     def get(self, name: str, default=None):  # Mapping.get, without the error
         return self._entries.get(name, default)
 

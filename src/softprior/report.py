@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 from .experiments import Cell, Eval, Experiment
-from .store import RunStore
+from .store import RunStore, StoreError
 
 __all__ = ["collect", "aggregate", "write_report", "evaluate_cell", "splice_into_doc"]
 
@@ -253,8 +253,11 @@ def formation_table(store: RunStore, cells: list[Cell]):
         sm = store.summary(c.cfg.run_id)
         if sm.get("metric") != "acc":
             continue
-        rows.append({"row": c.row, "column": c.col, "seed": c.cfg.seed,
-                     "formation_step": formation_step(store.metrics(c.cfg.run_id))})
+        try:
+            metrics = store.metrics(c.cfg.run_id)
+        except StoreError:  # a damaged run (`softprior store verify`) drops out of this diagnostic only
+            continue
+        rows.append({"row": c.row, "column": c.col, "seed": c.cfg.seed, "formation_step": formation_step(metrics)})
     df = pd.DataFrame(rows, columns=["row", "column", "seed", "formation_step"]).drop_duplicates()
     return df.astype({"formation_step": "Int64"})
 

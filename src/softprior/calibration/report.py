@@ -81,9 +81,13 @@ def formation_by_axis(cands) -> str:
             cells.append(f"{json.loads(v)}: {f:.0%} of {n}" + (f", step {med:.0f}" if med is not None else ""))
         lines.append(f"| {axis} | {'; '.join(cells)} |")
     top = order[0]
+    if spread[top] == (0, 0):
+        return "\n".join(lines + ["", "No axis moves circuit formation: every value forms it equally often, at the same median step."])
     lines += ["", f"The axis that moves circuit formation most: **{top}** (its values differ by "
               f"{spread[top][0]:.0%} in the share of seeds that form the circuit"
-              + (f" and by {spread[top][1]:.0f} steps in the median step" if spread[top][1] else "") + ")."]
+              + (f" and by {spread[top][1]:.0f} steps in the median step" if spread[top][1] else "") + "). "
+              "A marginal comparison over the searched candidates, not a factorial design: the other axes vary "
+              "with it and can confound it."]
     return "\n".join(lines)
 
 

@@ -114,7 +114,10 @@ class RunFiles:
 
     def read_metrics(self, run_id: str) -> list[dict]:
         f = self.run_dir(run_id) / "metrics.jsonl"
-        return [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+        try:
+            return [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+        except (OSError, ValueError) as e:
+            raise StoreError(f"run {run_id!r}: metrics.jsonl is missing or corrupt ({type(e).__name__})") from None
 
     def read_state(self, run_id: str) -> dict[str, torch.Tensor]:
         try:

@@ -64,6 +64,12 @@ def _owner_alive(owner: str | None) -> bool:
     return True
 
 
+def _same_host(owner: str | None) -> bool:
+    """Whether ``owner`` ('host:pid') is a process of this host (whose liveness ``_owner_alive`` sees;
+    a live one keeps its claims however long its sweep runs, e.g. runs queued behind hours of others)."""
+    return bool(owner) and owner.rpartition(":")[0] == socket.gethostname()
+
+
 def _model_label(cfg: RunConfig) -> str:
     m = cfg.model
     return "large" if (m.n_layers, m.d_model) == (4, 128) else ("base" if (m.n_layers, m.d_model) == (2, 64)
@@ -112,8 +118,10 @@ class RunIndex:
                     if row["status"] == "done":
                         db.execute("ROLLBACK")
                         return False
+                    # a live owner keeps its claim; only a claim from another host (whose liveness this
+                    # host cannot see) expires with its heartbeat
                     if (row["status"] == "running" and row["owner"] != self.owner and _owner_alive(row["owner"])
-                            and now - (row["heartbeat"] or 0) < STALE_SECONDS):
+                            and (_same_host(row["owner"]) or now - (row["heartbeat"] or 0) < STALE_SECONDS)):
                         db.execute("ROLLBACK")
                         return False
                 db.execute(
@@ -151,7 +159,8 @@ class RunIndex:
             db.execute(
                 "INSERT INTO runs(run_id, status, task, path, seed, model, config, error, owner, created, updated)"
                 " VALUES(?, 'failed', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT(run_id) DO UPDATE SET status='failed', error=excluded.error, updated=excluded.updated",
+                " ON CONFLICT(run_id) DO UPDATE SET status='failed', error=excluded.error, updated=excluded.updated"
+                " WHERE runs.status != 'done'",  # never over a result another process committed
                 (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
                  json.dumps(cfg.canonical(), sort_keys=True), error, self.owner, now, now))
 
