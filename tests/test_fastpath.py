@@ -156,11 +156,9 @@ def test_hand_backward_large_preset_and_no_prior():
     _check_hand(cfgs, [build_model(c).double() for c in cfgs], 2, forced=(0.0, 0.0))
 
 
-def test_hand_backward_equals_autograd_through_a_fade():
+def test_hand_backward_equals_autograd_through_a_fade(monkeypatch):
     """Train a group (a fade scaled to 16 steps, whose forced gates go 0.5 -> 0 inside the run, and a
     run with learned gates) once per backward: the two trainings stay equal to float32 rounding."""
-    import os
-
     from softprior.engine import train_group
     from softprior.paths import scale_path
     kw = dict(steps=16, eval_every=2, n_val=16, batch_size=8, calibrated=False)
@@ -168,21 +166,40 @@ def test_hand_backward_equals_autograd_through_a_fade():
     fade = fade.model_copy(update=dict(path=scale_path(fade.path, 8 / 600)))
     cfgs = [fade, make_run_config("assoc_recall", "unforced", 1, **kw)]
     runs = {}
-    old = os.environ.get("SOFTPRIOR_BACKWARD")
-    try:
-        for mode in ("autograd", "hand"):
-            os.environ["SOFTPRIOR_BACKWARD"] = mode
-            runs[mode] = train_group(cfgs)
-    finally:
-        if old is None:
-            os.environ.pop("SOFTPRIOR_BACKWARD", None)
-        else:
-            os.environ["SOFTPRIOR_BACKWARD"] = old
+    for mode in ("autograd", "hand"):
+        monkeypatch.setenv("SOFTPRIOR_BACKWARD", mode)
+        runs[mode] = train_group(cfgs)
     gs = [r["g_pos"] for r in runs["hand"][0].metrics]
     assert gs[0] == 0.5 and gs[-1] == 0.0 and len(set(gs)) > 3  # the whole fade, inside the test window
-    for a, b in zip(runs["autograd"], runs["hand"]):
+    assert runs["hand"][0].summary.get("fast_backward") == "hand"
+    assert "fast_backward" not in runs["autograd"][0].summary
+    _assert_same_training(runs["autograd"], runs["hand"])
+
+
+def _assert_same_training(ra_runs, rb_runs):
+    for a, b in zip(ra_runs, rb_runs):
         for n in a.state_dict:
             assert torch.allclose(a.state_dict[n], b.state_dict[n], rtol=1e-4, atol=2e-5), n
         for ra, rb in zip(a.metrics, b.metrics):
             for k in ("train_loss", "normal_loss", "zero_loss", "model_g_pos", "model_g_content"):
                 assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), k
+
+
+def test_hand_backward_in_the_single_run_loop(monkeypatch):
+    """train.train (K = 1 through model_forward) selects the hand backward by the same variable:
+    Markov with loss on every determined position (the last layer the plain way), learned gates."""
+    from softprior.train import train
+    cfg = make_run_config("markov", "unforced", 0, steps=6, eval_every=3, n_val=16, batch_size=8, calibrated=False,
+                          task_options=dict(loss_on="determined"))
+    runs = {}
+    for mode in ("autograd", "hand"):
+        monkeypatch.setenv("SOFTPRIOR_BACKWARD", mode)
+        runs[mode] = [train(cfg)]
+    _assert_same_training(runs["autograd"], runs["hand"])
+
+
+def test_backward_mode_is_checked():
+    from softprior.fastpath import _backward_mode
+    assert _backward_mode("hand") == "hand"
+    with pytest.raises(ValueError):
+        _backward_mode("handwritten")

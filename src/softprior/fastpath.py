@@ -35,6 +35,15 @@ What it does differently (each an exact algebraic identity, so only rounding dif
 5. **The residual add fused into the output projection** (``baddbmm``), the position bias gathered
    once per step as [K, H, T, T] with the causal mask added in, no [B, H, T, T] bias tensor.
 
+6. **Optionally, no autograd graph at all** (issue 16): ``backward="hand"`` (or
+   ``$SOFTPRIOR_BACKWARD=hand``) runs the same forward as one ``autograd.Function`` (``_Whole``:
+   ``_hand_forward`` saves what the backward reads, ``_hand_backward`` computes the gradient of every
+   stacked parameter and of g_pos / g_content, formulas at ``_hand_forward``). The loss and the gate
+   sigmoid stay in autograd, so learned gates get their gradient through ``gate_logits`` as before.
+   Opt-in: it rounds differently in the last bits, so recorded runs would not reproduce their bits
+   (the default, "autograd", does). Gain: ~1.25-1.4x on the fixed per-step cost (batch 1), but at
+   batch 64 a step is dominated by the attention kernels and the gain is ~5% (docs/PERFORMANCE.md).
+
 Supported: the soft-prior model with no static positional scheme (``positional == "none"``; the
 NoPE/soft_* baselines and every path), token and vector tasks, any gate granularity. Anything
 else (static schemes, active hooks) goes through the readable model (``supports``).
