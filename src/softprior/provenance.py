@@ -24,8 +24,12 @@ def _static() -> dict:
 
 
 def provenance() -> dict:
+    import os
+
     import torch
-    return {**_static(), "threads": torch.get_num_threads()}
+    # the opt-in hand-written backward (fastpath.py, issue 16) rounds differently: marked where it is on
+    hand = {"fast_backward": "hand"} if os.environ.get("SOFTPRIOR_BACKWARD") == "hand" else {}
+    return {**_static(), "threads": torch.get_num_threads(), **hand}
 
 
 def code_version(summary: dict) -> str:
