@@ -118,3 +118,26 @@ def test_formation_step_and_summary_by_hand(tmp_path):
     assert "| removability | - | seed 0: 900, seed 1: never |" in text
     assert "300" not in text.split("|---|---|---|")[1]  # only the unforced row
     assert formation_summary(tmp_path, names=["paths"]) == ""
+
+
+def test_continuation_claims_are_read_from_the_analysis_claims_table(tmp_path):
+    """The continuation verdicts come from the analysis's claims.csv, computed from its rows by hand."""
+    from softprior.analysis.reports import continuation_claims_table
+    def row(path, share, zero, cos, track, col="assoc_recall", metric="acc"):
+        return {"col": col, "row": path, "metric": metric, "share": share, "zero": zero, "solution_cos": cos,
+                "tracking": track}
+    rows = [row("fade600", [0.5, 0.7], [0.7, 0.9], [0.2, 0.2], [0.9, 0.7]),
+            row("hard_switch1050", [0.3, 0.3], [0.3, 0.3], [0.1, 0.1], [0.2, 0.2]),
+            row("forced_zero", [0.1, 0.1], [0.1, 0.1], [0.05, 0.05], [float("nan")] * 2),
+            row("forced_zero", [0.2], [1.0], [0.5], [float("nan")], col="linear_icl", metric="mse")]
+    d = tmp_path / "continuation_trace"
+    d.mkdir()
+    continuation_claims_table(rows).to_csv(d / "claims.csv", index=False)
+    t = load_tables(tmp_path)["continuation_trace"]
+    assert t[("fade600", "assoc_recall share")] == pytest.approx(0.6)
+    assert t[("all paths", "assoc_recall spearman(share, zero)")] == pytest.approx(1.0)  # same order: rho = 1
+    assert ("forced_zero", "assoc_recall tracking cos") not in t  # NaN: not measured
+    v = {cl.name: verdict for cl, verdict, _ in verdicts({"continuation_trace": t})}
+    assert v["recovery signal"] == "reproduced"
+    assert v["fade tracks the optimum"] == "reproduced"  # .8 >= .2
+    assert v["linear ICL aligned"] == "reproduced"  # .5 >= .05

@@ -97,6 +97,18 @@ CLAIMS: list[PaperClaim] = [
                "forced_zero lacks, at every p", "no numbers in SPEC",
                tuple(_c("markov_paths", "fade600", f"p={p} zero", ">=", 0.1, ("forced_zero", f"p={p} zero"))
                      for p in (0.2, 0.5, 0.8))),
+    PaperClaim("recovery signal", "Continuation view (Sec. 3.3): the zero-gate gradient's share on the circuit at "
+               "the removal of the prior is larger on the paths whose zero-gate circuit later forms (rank correlation "
+               "over the five associative-recall paths)", "qualitative",
+               (_c("continuation_trace", "all paths", "assoc_recall spearman(share, zero)", ">=", 0.5),)),
+    PaperClaim("fade tracks the optimum", "Continuation view: a fade follows the moving optimum more closely than a "
+               "hard switch jumps (cosine of dθ*/dg·Δg with the actual change)", "qualitative",
+               (_c("continuation_trace", "fade600", "assoc_recall tracking cos", ">=", 0.0,
+                   ("hard_switch1050", "assoc_recall tracking cos")),)),
+    PaperClaim("linear ICL aligned", "Continuation view: in linear ICL the zero-gate gradient at initialisation is "
+               "already better aligned with its solution than in retrieval (forced_zero)", "qualitative",
+               (_c("continuation_trace", "forced_zero", "linear_icl solution cos", ">=", 0.0,
+                   ("forced_zero", "assoc_recall solution cos")),)),
     PaperClaim("linear ICL boundary", "Linear ICL is a boundary case: forced_zero already learns the task "
                "(query MSE/d well below the zero predictor's 1.0)", "qualitative",
                (_c("linear_paths", "forced_zero", "zero", "<=", 0.2),)),
@@ -104,17 +116,24 @@ CLAIMS: list[PaperClaim] = [
 
 
 def load_tables(results_dir: str | Path) -> dict[str, dict[tuple[str, str], float]]:
-    """experiment -> (row, column) -> mean and (row, column, "std") -> std, from ``results_dir/NAME/table.csv``."""
+    """experiment -> (row, column) -> mean and (row, column, "std") -> std, from ``results_dir/NAME/table.csv``
+    and, where an experiment's analysis writes one, ``claims.csv`` (same columns; e.g. the continuation
+    quantities, ``analysis.reports.continuation_claims_table``). Empty cells (NaN) count as not measured."""
+    import math
+
     import pandas as pd
     out = {}
-    for p in sorted(Path(results_dir).glob("*/table.csv")):
+    for p in sorted([*Path(results_dir).glob("*/table.csv"), *Path(results_dir).glob("*/claims.csv")]):
         df = pd.read_csv(p, keep_default_na=False)
         if df.empty:
             continue
-        t = {(str(r), str(c)): float(m) for r, c, m in zip(df["row"], df["column"], df["mean"])}
-        t.update({(str(r), str(c), "std"): float(v) for r, c, v in zip(df["row"], df["column"], df["std"])})
-        out[p.parent.name] = t
-    return out
+        t = out.setdefault(p.parent.name, {})
+        for r, c, m, s in zip(df["row"], df["column"], df["mean"], df["std"]):
+            if m == "" or math.isnan(float(m)):
+                continue
+            t[(str(r), str(c))] = float(m)
+            t[(str(r), str(c), "std")] = float(s) if s != "" else float("nan")
+    return {k: v for k, v in out.items() if v}
 
 
 def verdicts(tables) -> list[tuple[PaperClaim, str, list[str]]]:
@@ -207,7 +226,8 @@ def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extr
     """Generate ``doc`` (the whole file) from the tables under ``results_dir``."""
     results_dir = Path(results_dir)
     tables = load_tables(results_dir)
-    parts = [_HEAD, verdict_table(tables, results_dir), "", formation_summary(results_dir, names), ""]
+    formation = formation_summary(results_dir, names)
+    parts = [_HEAD, verdict_table(tables, results_dir), ""] + ([formation, ""] if formation else [])
     notes = results_dir / "NOTES.md"  # prose that explains the tables (no numbers: those come from them)
     if notes.exists():
         parts += [notes.read_text().strip(), ""]

@@ -224,9 +224,29 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
                   f"{n_examples} examples, ≤ {max_iter} H-vector products), "
                   f"{float(all_[all_['tracking_cos'].isna()]['seconds'].mean()):.2f} s without."]
     lines += ["", _continuation_verdict(rows)]
+    continuation_claims_table(rows).to_csv(out / "claims.csv", index=False, float_format="%.6g")
     _plot_continuation(all_, out / "continuation.png", plt)
     lines += ["", "Figure: continuation.png (per task and path, means over seeds; gate g_pos dashed, right axis)."]
     return "\n".join(lines) + "\n"
+
+
+def continuation_claims_table(rows: list[dict]):
+    """The continuation quantities the paper's claims read (``paper.CLAIMS``), as (row, column, mean,
+    std) like an experiment's table.csv: per path, "<task> share", "<task> solution cos", "<task>
+    tracking cos" (at removal, over seeds); per accuracy task, row "all paths", column "<task>
+    spearman(share, zero)": the rank correlation between the circuit share at removal and the final
+    zero-gate accuracy over the paths."""
+    import pandas as pd
+    out = []
+    for r in rows:
+        for key, col in (("share", "share"), ("solution_cos", "solution cos"), ("tracking", "tracking cos")):
+            m, s = _mean_std(r[key])
+            out.append({"row": r["row"], "column": f"{r['col']} {col}", "mean": m, "std": s})
+    for col in dict.fromkeys(r["col"] for r in rows if r["metric"] == "acc"):
+        rs = [r for r in rows if r["col"] == col]
+        rho = spearman([_mean_std(r["share"])[0] for r in rs], [_mean_std(r["zero"])[0] for r in rs])
+        out.append({"row": "all paths", "column": f"{col} spearman(share, zero)", "mean": rho, "std": 0.0})
+    return pd.DataFrame(out, columns=["row", "column", "mean", "std"])
 
 
 def _continuation_verdict(rows: list[dict]) -> str:
