@@ -35,16 +35,21 @@ def _random_models(task, granularity, n_layers, n_runs=3):
     return cfgs, models
 
 
-@pytest.mark.parametrize("task,granularity,n_layers", CASES)
-def test_fast_forward_matches_the_readable_model_in_logits_and_gradients(task, granularity, n_layers):
-    cfgs, models = _random_models(task, granularity, n_layers)
+def _batch_and_params(cfgs, models):
+    """A batch of 8 (float64 inputs for vector tasks), the loss positions, and the models' parameters
+    stacked on a run dimension with gradients on."""
     t = make_task(cfgs[0].task)
     T = cfgs[0].model.n_ctx
     batch = t.sample(8, T, torch.Generator().manual_seed(1))
     inputs = batch.inputs.double() if batch.inputs.is_floating_point() else batch.inputs
-    pos = t.loss_positions(T)
     params, _ = stack_module_state(models)
-    params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    return inputs, t.loss_positions(T), {k: v.detach().requires_grad_(True) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("task,granularity,n_layers", CASES)
+def test_fast_forward_matches_the_readable_model_in_logits_and_gradients(task, granularity, n_layers):
+    cfgs, models = _random_models(task, granularity, n_layers)
+    inputs, pos, params = _batch_and_params(cfgs, models)
     # learned gates: the gate values carry gradient back to the gate logits in both computations
     g_all = torch.sigmoid(params["gate_logits"])
     L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
@@ -105,13 +110,7 @@ def _check_hand(cfgs, models, n_runs, forced=None):
     """hand_forward against the readable model: logits and every gradient (incl. gate_logits through
     the sigmoid) to 1e-5 in float64; ``forced``: (g_pos, g_content) floats instead of learned gates."""
     from softprior.fastpath import hand_forward
-    t = make_task(cfgs[0].task)
-    T = cfgs[0].model.n_ctx
-    batch = t.sample(8, T, torch.Generator().manual_seed(1))
-    inputs = batch.inputs.double() if batch.inputs.is_floating_point() else batch.inputs
-    pos = t.loss_positions(T)
-    params, _ = stack_module_state(models)
-    params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    inputs, pos, params = _batch_and_params(cfgs, models)
     L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
     if forced is not None:
         gp = torch.full((n_runs, L, H), forced[0], dtype=torch.float64)
