@@ -23,7 +23,8 @@ CASES = [("assoc_recall", "shared", 2), ("assoc_recall", "head", 1), ("markov", 
 def _random_models(task, granularity, n_layers, n_runs=3):
     task, _, variant = task.partition("-")
     task_options = dict(loss_on=variant) if variant else None
-    cfgs = [make_run_config(task, "unforced", s, task_options=task_options,
+    # the plain defaults (not the pre-registered ones, whose prior layers need n_layers >= 2)
+    cfgs = [make_run_config(task, "unforced", s, task_options=task_options, calibrated=False,
                             model_options=dict(gate_granularity=granularity, n_layers=n_layers))
             for s in range(n_runs)]
     models = [build_model(c).double() for c in cfgs]
