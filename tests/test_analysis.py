@@ -288,7 +288,7 @@ def test_summarise_trace_thresholds():
 
 
 def test_trace_linear_icl_has_no_successor_mass():
-    cfg = make_run_config(task="linear_icl", path="unforced", model="base",
+    cfg = make_run_config(task="linear_icl", path="unforced", model="base", calibrated=False,
                           model_options=dict(n_ctx=11, d_model=16), n_val=16)
     sd = SoftPriorTransformer(cfg.model).state_dict()
     df = A.trace([(0, sd)], cfg)
