@@ -219,3 +219,19 @@ def test_unfinished_run_directories_are_listed_not_damaged(filled, capsys):
     assert rep.healthy and rep.unfinished == ["0123456789abcdef"]
     rc, out, _ = _cli(capsys, "store", "verify", "--repair", "--store", str(store.root))
     assert rc == 0 and "0123456789abcdef" in out and d.exists()  # nothing to repair, nothing moved
+
+
+def test_rebuild_reindexes_a_run_whose_checksum_rows_alone_were_lost(filled):
+    """Checksum rows lost with a damaged index are the index's damage: the run's intact files are read
+    instead, and the run is indexed again (not moved aside and retrained)."""
+    from softprior.integrity import _read_index, _rebuild_index
+    store, cfgs, held = filled
+    victim = cfgs[1].run_id
+    _, sums, _, _ = _read_index(store.root / "index.sqlite")
+    del sums[victim]["metrics.jsonl"]  # as if that row went down with the index
+    requeued, indexed = _rebuild_index(store.root, sums, "test")
+    assert requeued == [] and indexed == 3 and not (store.root / "damaged").exists()
+    fresh = RunStore(store.root)
+    _intact(fresh, held)
+    assert "metrics.jsonl" in fresh.file_checksums(victim)  # recorded again from the file
+    assert verify_store(store.root).healthy

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from softprior.model import ModelConfig, SoftPriorTransformer, UnknownModelError, model_preset
+from softprior.model import ModelConfig, SoftPriorTransformer, UnknownModelError, model_preset, size_label
 
 B, T, V = 3, 32, 32
 
@@ -46,6 +46,13 @@ def test_unknown_preset():
     with pytest.raises(UnknownModelError) as ei:
         model_preset("huge")
     assert "huge" in str(ei.value) and "base" in str(ei.value) and "large" in str(ei.value)
+
+
+def test_size_label_names_the_preset_by_depth_and_width():
+    assert size_label(model_preset("base")) == "base"
+    assert size_label(model_preset("large")) == "large"
+    assert size_label(model_preset("base", n_heads=2)) == "base"  # heads do not change the label
+    assert size_label(model_preset("base", n_layers=3)) == "L3d64"
 
 
 def test_config_validation():

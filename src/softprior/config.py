@@ -17,7 +17,7 @@ from .model import ModelConfig, model_preset
 from .paths import PathConfig, get_path
 from .tasks import TaskConfig, task_config
 
-__all__ = ["RunConfig", "make_run_config", "NON_SEMANTIC_FIELDS"]
+__all__ = ["RunConfig", "make_run_config", "config_hash", "NON_SEMANTIC_FIELDS"]
 
 # fields that do not change a run's numbers, so they are left out of its hash
 NON_SEMANTIC_FIELDS = {"checkpoint_every", "label"}
@@ -29,6 +29,12 @@ LATER_DEFAULTS = {
              "query": "distinct", "n_points": None},
     "model": {"prior_cap": 8.0},
 }
+
+
+def config_hash(canonical: dict) -> str:
+    """A run id: the first 16 hex digits of the SHA-256 of a canonical config (``RunConfig.canonical``)
+    as sorted, compact JSON. ``integrity`` checks stored configs against their run ids with it."""
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 class RunConfig(BaseModel):
@@ -89,8 +95,7 @@ class RunConfig(BaseModel):
 
     @property
     def run_id(self) -> str:
-        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return config_hash(self.canonical())
 
     def parent(self) -> "RunConfig | None":
         """The run a derived path (post hoc continuation) starts from."""

@@ -26,7 +26,6 @@ are not carried over (they are kept in the moved file). Repair while no sweep wr
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -35,8 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config import RunConfig, config_hash
 from .store import RunStore, StoreError, sha256_file
-from .store.index import _model_label
 
 __all__ = ["verify_store", "VerifyReport", "Problem", "REQUIRED_FILES"]
 
@@ -138,10 +137,10 @@ def _read_index(path: Path):
 
 
 def _row_problem(rid: str, row: dict) -> str | None:
-    """Why a finished run's index row is unusable, or None. (The hash is RunConfig.run_id's rule.)"""
+    """Why a finished run's index row is unusable, or None."""
     try:
         cfg = json.loads(row["config"])
-        if hashlib.sha256(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16] != rid:
+        if config_hash(cfg) != rid:
             return "index row damaged: its config does not hash to the run id"
     except (TypeError, ValueError):
         return "index row damaged: config is not JSON"
@@ -165,7 +164,6 @@ def _readable(path: Path) -> str | None:
                 if line.strip():
                     json.loads(line)
         elif path.name == "config.json":
-            from .config import RunConfig
             if RunConfig.model_validate_json(path.read_text()).run_id != path.parent.name:
                 return "unreadable: its config does not hash to the run id"
         else:
@@ -267,7 +265,6 @@ def _move_aside(root: Path, rid: str, stamp: str) -> None:
 
 def _rebuild_index(root: Path, salvaged: dict, stamp: str) -> tuple[list[str], int]:
     """Move the damaged index aside, then index every intact finished run directory again."""
-    from .config import RunConfig
     for suffix in ("", "-wal", "-shm"):
         f = root / f"index.sqlite{suffix}"
         if f.exists():
@@ -279,28 +276,19 @@ def _rebuild_index(root: Path, salvaged: dict, stamp: str) -> tuple[list[str], i
         rid = d.name
         if not (d / "summary.json").is_file():
             continue  # never finished (summary.json is written last): a sweep trains it anyway
-        # against the checksums still readable from the damaged index, else for readability
-        if _check_files(root, rid, salvaged.get(rid), scratch):
+        # against the checksums still readable from the damaged index, else for readability (checksum
+        # rows lost with the index are the index's damage, not the run's: the files are read instead)
+        recorded = salvaged.get(rid)
+        if recorded and not all(n in recorded for n in REQUIRED_FILES):
+            recorded = None
+        if _check_files(root, rid, recorded, scratch):
             requeued.append(rid)
             _move_aside(root, rid, stamp)
             continue
         cfg = RunConfig.model_validate_json((d / "config.json").read_text())
         summary = json.loads((d / "summary.json").read_text())
         names = list(REQUIRED_FILES) + sorted(f"snapshots/{p.name}" for p in (d / "snapshots").glob("step_*.safetensors"))
-        now = time.time()
-        with store._connect() as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                db.execute("INSERT INTO runs(run_id, status, task, path, seed, model, config, summary, owner, created,"
-                           " updated) VALUES(?, 'done', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                           (rid, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
-                            json.dumps(cfg.canonical(), sort_keys=True), json.dumps(summary), store.owner, now, now))
-                db.executemany("INSERT INTO files(run_id, name, sha256, size) VALUES(?, ?, ?, ?)",
-                               [(rid, n, *sha256_file(d / n)) for n in names])
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        store.index.commit_done(cfg, summary, {n: sha256_file(d / n) for n in names})
         indexed += 1
     return requeued, indexed
 

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .registry import Registry
 
-__all__ = ["ModelConfig", "SoftPriorTransformer", "build_model", "MODEL_PRESETS", "model_preset", "UnknownModelError",
+__all__ = ["ModelConfig", "SoftPriorTransformer", "build_model", "MODEL_PRESETS", "model_preset", "size_label", "UnknownModelError",
            "HookError", "OBSERVE_ONLY_HOOKS", "shape_gate"]
 
 
@@ -122,6 +122,14 @@ MODEL_PRESETS = Registry("model", UnknownModelError, {
 
 def model_preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**MODEL_PRESETS[name], **overrides})
+
+
+def size_label(cfg: ModelConfig) -> str:
+    """The preset whose depth and width a model has (the run index's ``model`` column), else "L{n}d{d}"."""
+    for name, sizes in MODEL_PRESETS.items():
+        if (cfg.n_layers, cfg.d_model) == (sizes["n_layers"], sizes["d_model"]):
+            return name
+    return f"L{cfg.n_layers}d{cfg.d_model}"
 
 
 def initial_pos_bias(cfg: ModelConfig) -> torch.Tensor:

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import RunConfig
+from ..model import size_label
 from .errors import RunNotFoundError, StoreError
 
 __all__ = ["RunIndex", "STALE_SECONDS"]
@@ -71,9 +72,7 @@ def _same_host(owner: str | None) -> bool:
 
 
 def _model_label(cfg: RunConfig) -> str:
-    m = cfg.model
-    return "large" if (m.n_layers, m.d_model) == (4, 128) else ("base" if (m.n_layers, m.d_model) == (2, 64)
-                                                                else f"L{m.n_layers}d{m.d_model}")
+    return size_label(cfg.model)
 
 
 class RunIndex:
