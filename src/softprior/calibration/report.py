@@ -96,18 +96,26 @@ def figure(space, cands, fade: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for status, style in (("passes", dict(c="tab:green", marker="o", s=50, label="passes")),
-                          ("fails", dict(c="tab:orange", marker="s", s=25, label="fails (3 seeds)")),
-                          ("pruned", dict(c="tab:gray", marker="x", s=20, label="pruned after 1 seed"))):
-        pts = [(c.distance, fade[c.cid]) for c in cands if c.status == status and c.cid in fade
-               and not math.isnan(c.distance)]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    styles = (("passes", dict(c="tab:green", marker="o", s=50, label="passes")),
+              ("fails", dict(c="tab:orange", marker="s", s=25, label="fails (3 seeds)")),
+              ("pruned", dict(c="tab:gray", marker="x", s=20, label="pruned after 1 seed")))
+    floor = -0.06  # candidates without a fade600 run sit on a strip below the axis, so every one is drawn
+    for status, style in styles:
+        measured = [c for c in cands if c.status == status and not math.isnan(c.distance)]
+        pts = [(c.distance, fade[c.cid]) for c in measured if c.cid in fade]
         if pts:
             ax.scatter(*zip(*pts), **style)
+        missing = [c.distance for c in measured if c.cid not in fade]
+        if missing:  # labelled here when no candidate of this status has a fade600 point
+            ax.scatter(missing, [floor] * len(missing), **{**style, "alpha": 0.35, "label": None if pts else style["label"]})
+    if any(c.cid not in fade for c in cands):
+        ax.axhline(floor / 2, color="0.8", lw=0.8)
+        ax.text(ax.get_xlim()[1], floor / 2, "below: no fade600 run ", ha="right", va="bottom", fontsize=7, color="0.4")
     ax.set_xlabel("difficulty distance (sum of criterion gaps; 0 = on the paper's rows)\n"
-                  "measured on 1 seed (pruned) or 3 seeds (passes / fails): not comparable across the two")
+                  "1 seed if pruned, 3 seeds otherwise: not comparable across the two", fontsize=9)
     ax.set_ylabel("fade600->0 zero-gate (seed 0)")
-    ax.set_title(f"calibration candidates: {space.name}")
+    ax.set_title(f"calibration candidates: {space.name} ({len(cands)})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
