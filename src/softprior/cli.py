@@ -195,7 +195,8 @@ def _paper(args, train: bool) -> int:
     if train:
         from .executors import execute
         cfgs = list({c.cfg.run_id: c.cfg for _, cells in exps for c in cells}.values())
-        print(f"paper: {len(exps)} experiments, {len(cfgs)} distinct runs, store {args.store}", file=sys.stderr)
+        print(f"paper: {len(exps)} experiments, {len(cfgs)} distinct runs, store {args.store}, executor "
+              f"{args.executor} x{args.workers}, group size {_group_shown(args, cfgs, store)}", file=sys.stderr)
         t0 = time.perf_counter()
         report = execute(cfgs, store, executor=args.executor, workers=args.workers, group_size=args.group,
                          address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
@@ -227,13 +228,11 @@ def _group_arg(v: str) -> int | str:
     return k
 
 
-def _group_shown(args, cells, store) -> str:
-    """The group size a sweep will use (``auto`` resolved as ``execute`` resolves it)."""
-    if args.group != "auto":
-        return str(args.group)
-    from .executors import choose_group_size
-    todo = len({c.cfg.run_id for c in cells if not store.is_done(c.cfg.run_id)})
-    return f"auto (K = {choose_group_size(todo, args.workers)})"
+def _group_shown(args, cfgs, store) -> str:
+    """The group size a sweep of ``cfgs`` will use (``auto`` resolved as ``execute`` resolves it)."""
+    from .executors import sweep_plan
+    _, k = sweep_plan(cfgs, store, args.group, args.workers)
+    return f"auto (K = {k})" if args.group == "auto" else str(k)
 
 
 def cmd_reproduce(args) -> int:
@@ -253,7 +252,7 @@ def cmd_reproduce(args) -> int:
     exp, cells = _experiment(args)
     store = _store(args)
     print(f"{exp.name}: {exp.description}\n{len(cells)} runs, store {args.store}, executor {args.executor}"
-          f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {_group_shown(args, cells, store)}",
+          f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {_group_shown(args, [c.cfg for c in cells], store)}",
           file=sys.stderr)
     report = execute([c.cfg for c in cells], store, executor=args.executor, workers=args.workers,
                      group_size=args.group, address=args.address, progress=not args.no_progress,

@@ -31,7 +31,7 @@ from typing import Callable
 from .config import RunConfig
 from .store import RunStore
 
-__all__ = ["execute", "SweepReport", "JobResult", "work", "choose_group_size", "GROUP_SCALING", "save_group_scaling",
+__all__ = ["execute", "sweep_plan", "SweepReport", "JobResult", "work", "choose_group_size", "GROUP_SCALING", "save_group_scaling",
            "load_group_scaling"]
 
 # ms per run-step of a base-model group of K runs at 1 thread (each sweep worker's setting), measured by
@@ -262,6 +262,17 @@ def _job_cost(job: list[RunConfig]) -> float:
     return job[0].total_steps * len(job) * m.n_layers * m.d_model ** 2 * m.n_ctx
 
 
+def sweep_plan(cfgs: list[RunConfig], store: RunStore, group_size: int | str, workers: int) -> tuple[list[RunConfig], int]:
+    """(the distinct configs of ``cfgs`` that ``store`` has not finished, the group size a sweep of them
+    uses: ``group_size``, or for "auto" ``choose_group_size`` of how many are left)."""
+    todo = [c for c in _unique(cfgs) if not store.is_done(c.run_id)]
+    if group_size == "auto":
+        return todo, choose_group_size(len(todo), workers)
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int or 'auto', got {group_size!r}")
+    return todo, group_size
+
+
 def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", workers: int = 1,
             group_size: int | str = 1, address: str | None = None, progress: bool = True,
             wait_for_others: bool = True, poll_seconds: float = 2.0, sweep_bar: bool = True,
@@ -278,15 +289,12 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     cfgs = _unique(cfgs)
+    todo, group_size = sweep_plan(cfgs, store, group_size, workers)
     from .calibration.record import check_calibrated
     if require_calibration:
-        check_calibrated([c for c in cfgs if not store.is_done(c.run_id)], store.root)
+        check_calibrated(todo, store.root)
     report = SweepReport(total=len(cfgs))
-    report.skipped = sum(store.is_done(c.run_id) for c in cfgs)
-    if group_size == "auto":
-        group_size = choose_group_size(len(cfgs) - report.skipped, workers)
-    elif not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int or 'auto', got {group_size!r}")
+    report.skipped = len(cfgs) - len(todo)
     # derived runs need their parents: parents form the first phase
     parents = _unique([c.parent() for c in cfgs if c.parent() is not None])
     phases = [[p for p in parents if p.run_id not in {c.run_id for c in cfgs}], [c for c in cfgs if c.parent() is None],
