@@ -207,6 +207,7 @@ def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
 
 
 def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
+    from softprior.calibration.record import shipped_records
     from softprior.experiments import Cell
     from softprior.report import provenance_note
     from softprior.runner import run
@@ -216,6 +217,7 @@ def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
         run(c, store)
     cells = [Cell(c, row="unforced") for c in cfgs]
     assert "Warning" not in provenance_note(store, cells)
+    assert f"calibration record {shipped_records()['assoc_recall']['hash']} (2)" in provenance_note(store, cells)
     # rewrite one run's recorded version, as an older engine would have left it
     p = store.run_dir(cfgs[1].run_id) / "summary.json"
     d = json.loads(p.read_text())
@@ -227,6 +229,12 @@ def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
     note = provenance_note(store, cells)
     assert "mixes 2 code versions" in note and "0.0.9@" in note
     assert "warning" in capsys.readouterr().err
+    # a difficulty row the search trained before any record existed is named as such
+    d["calibration"] = None
+    p.write_text(json.dumps(d))
+    with sqlite3.connect(store.root / "index.sqlite") as db:
+        db.execute("UPDATE runs SET summary=? WHERE run_id=?", (json.dumps(d), cfgs[1].run_id))
+    assert "difficulty row before registration (1)" in provenance_note(store, cells)
 
 
 def test_register_refuses_after_a_prediction_row_and_names_the_record(tmp_path):

@@ -216,6 +216,7 @@ def provenance_note(store: RunStore, cells: list[Cell]) -> str:
     import collections
     import sys
 
+    from .calibration.record import DIFFICULTY_PATHS
     from .provenance import code_version
     ids = list(dict.fromkeys(c.cfg.run_id for c in cells))
     done = [store.summary(r) for r in ids if store.is_done(r)]
@@ -223,10 +224,14 @@ def provenance_note(store: RunStore, cells: list[Cell]) -> str:
         return ""
     def count(key):
         return collections.Counter(s.get(key) or "unrecorded" for s in done)
+
+    def calibration(s):  # a difficulty row needs no record; the search trains them before registering one
+        return s.get("calibration") or ("difficulty row before registration" if s.get("path") in DIFFICULTY_PATHS
+                                        and "softprior_version" in s else "unrecorded")
     codes = collections.Counter(code_version(s) if "softprior_version" in s else "unrecorded" for s in done)
     fmt = lambda c: ", ".join(f"{k} ({v})" for k, v in c.most_common())  # noqa: E731
     line = (f"\n_Provenance of these {len(done)} runs: code {fmt(codes)}; torch {fmt(count('torch_version'))}; "
-            f"CPU {fmt(count('cpu'))}; calibration record {fmt(count('calibration'))}._\n")
+            f"CPU {fmt(count('cpu'))}; calibration record {fmt(collections.Counter(map(calibration, done)))}._\n")
     if len(codes) > 1:
         warn = f"**Warning: this table mixes {len(codes)} code versions** ({', '.join(codes)})."
         print(f"softprior: warning: {warn.strip('*')}", file=sys.stderr)
