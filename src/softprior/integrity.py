@@ -173,6 +173,11 @@ def _readable(path: Path) -> str | None:
     return None
 
 
+def _run_file_names(d: Path) -> list[str]:
+    """The files a finished run directory holds: the required ones and its snapshots."""
+    return list(REQUIRED_FILES) + sorted(f"snapshots/{p.name}" for p in (d / "snapshots").glob("step_*.safetensors"))
+
+
 def _check_files(root: Path, rid: str, recorded: dict | None, report: VerifyReport) -> list[Problem]:
     d = root / "runs" / rid
     rel = f"runs/{rid}"
@@ -197,7 +202,7 @@ def _check_files(root: Path, rid: str, recorded: dict | None, report: VerifyRepo
             elif got_sha != sha:
                 out.append(Problem(rid, f"{rel}/{name}", "contents changed since written (SHA-256 mismatch)"))
         return out
-    names = list(REQUIRED_FILES) + sorted(f"snapshots/{p.name}" for p in (d / "snapshots").glob("step_*.safetensors"))
+    names = _run_file_names(d)
     for name in names:
         f = d / name
         if not f.is_file():
@@ -287,7 +292,7 @@ def _rebuild_index(root: Path, salvaged: dict, stamp: str) -> tuple[list[str], i
             continue
         cfg = RunConfig.model_validate_json((d / "config.json").read_text())
         summary = json.loads((d / "summary.json").read_text())
-        names = list(REQUIRED_FILES) + sorted(f"snapshots/{p.name}" for p in (d / "snapshots").glob("step_*.safetensors"))
+        names = _run_file_names(d)
         store.index.commit_done(cfg, summary, {n: sha256_file(d / n) for n in names})
         indexed += 1
     return requeued, indexed
