@@ -83,6 +83,10 @@ def test_claim_predicates():
                                       other=Row(path="fade600")),))
     assert rel.holds({"hard_switch1050|zero": 0.3, "fade600|zero": 0.7}) is True
     assert rel.holds({"hard_switch1050|zero": 0.6, "fade600|zero": 0.7}) is False
+    # linear ICL (MSE, lower is better): the boundary claim holds unless the fade beats forced_zero by > .1
+    lin = next(c for c in CLAIMS if c.task == "linear_icl")
+    assert lin.holds({"fade600|zero": 0.30, "forced_zero|zero": 0.31}) is True
+    assert lin.holds({"fade600|zero": 0.15, "forced_zero|zero": 0.31}) is False
 
 
 # ------------------------------------------------------------------ spaces

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from softprior.executors import execute
 from softprior.experiments import Options, get_experiment
@@ -252,3 +253,58 @@ def test_execute_with_auto_group_trains_every_run(tmp_path):
     assert rep.ok and rep.trained == 3
     with pytest.raises(ValueError, match="group_size"):
         execute(cfgs, RunStore(tmp_path / "b"), group_size="big", progress=False)
+
+
+_KILLED_SWEEP = """
+import sys
+from softprior.executors import execute
+from softprior.store import RunStore
+sys.path.insert(0, {tests!r})
+from conftest import tiny_config
+cfgs = [tiny_config(path=p, seed=s, steps=400, eval_every=50) for s, p in enumerate(["unforced", "fade600", "prior_dropout0.5"])]
+execute(cfgs, RunStore({store!r}), group_size=3, progress=False, require_calibration=False, checkpoint_seconds=0.05)
+"""
+
+
+def test_a_killed_sweep_resumes_its_group_from_the_checkpoint(tmp_path):
+    """SIGKILL a sweep while its group trains; the next sweep resumes the group from its checkpoint
+    (not from step 0) and ends with the bits of an uninterrupted sweep."""
+    cfgs = [tiny_config(path=p, seed=s, steps=400, eval_every=50)
+            for s, p in enumerate(["unforced", "fade600", "prior_dropout0.5"])]
+    killed = tmp_path / "killed"
+    script = _KILLED_SWEEP.format(tests=str(Path(__file__).parent), store=str(killed))
+    p = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, seen = time.time() + 300, None
+    while time.time() < deadline and p.poll() is None:
+        seen = next(iter(killed.glob("runs/*/group_checkpoint.safetensors")), None)
+        ck = seen and RunStore(killed).files.load_group_checkpoint([c.run_id for c in cfgs])
+        if ck and ck["meta"]["step"] >= 100:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None and seen is not None, "the group finished before a checkpoint was seen"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert _done_count(killed) == 0
+
+    store = RunStore(killed)
+    report = execute(cfgs, store, group_size=3, progress=False, require_calibration=False)
+    assert report.trained == 3 and not report.failed
+    clean = RunStore(tmp_path / "clean")
+    execute(cfgs, clean, group_size=3, progress=False, require_calibration=False)
+    for c in cfgs:
+        assert store.summary(c.run_id)["resumed_at"] >= 100  # resumed, not retrained from step 0
+        assert "resumed_at" not in clean.summary(c.run_id)
+        assert store.metrics(c.run_id) == clean.metrics(c.run_id)
+        a, b = store.load_state(c.run_id), clean.load_state(c.run_id)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(killed.glob("runs/*/*checkpoint.safetensors"))  # scratch files go with the result
+
+
+def test_a_checkpointed_group_is_kept_together_when_the_plan_changes(tmp_path):
+    from softprior.executors import _jobs
+    cfgs = [tiny_config(seed=s) for s in range(6)]
+    kept = [[cfgs[4].run_id, cfgs[1].run_id]]
+    jobs = _jobs(cfgs, 3, kept)
+    assert [c.run_id for c in jobs[0]] == kept[0]  # as checkpointed, in its order
+    rest = sorted(c.run_id for j in jobs[1:] for c in j)
+    assert rest == sorted(c.run_id for i, c in enumerate(cfgs) if i not in (1, 4)) and all(len(j) <= 3 for j in jobs)

@@ -396,3 +396,21 @@ def test_a_failure_record_never_overwrites_a_finished_run(tmp_path):
     s.save_result(train(cfg))
     s.record_failure(cfg, "parent run is not available")  # e.g. written by another sweep meanwhile
     assert s.is_done(cfg.run_id) and s.summary(cfg.run_id)["run_id"] == cfg.run_id
+
+
+def test_a_sweep_heartbeats_every_claim_it_holds(tmp_path):
+    """``heartbeat()`` refreshes every run this process holds (a sweep calls it as jobs finish), so
+    a sweep that outlives the 6 h lease keeps its queued runs; others' claims are not touched."""
+    import sqlite3
+    from softprior.config import make_run_config
+    from softprior.store import RunStore
+    cfgs = [make_run_config("assoc_recall", "unforced", s, steps=4, calibrated=False) for s in range(3)]
+    a, b = RunStore(tmp_path), RunStore(tmp_path)
+    b.owner = "another-host:1"
+    assert a.claim(cfgs[0]) and a.claim(cfgs[1]) and b.claim(cfgs[2])
+    with sqlite3.connect(tmp_path / "index.sqlite") as db:
+        db.execute("UPDATE runs SET heartbeat=0")
+    a.heartbeat()
+    with sqlite3.connect(tmp_path / "index.sqlite") as db:
+        beats = dict(db.execute("SELECT run_id, heartbeat FROM runs").fetchall())
+    assert beats[cfgs[0].run_id] > 0 and beats[cfgs[1].run_id] > 0 and beats[cfgs[2].run_id] == 0

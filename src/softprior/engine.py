@@ -22,7 +22,9 @@ What stays per run, exactly as in ``train.train`` (the per-step rules are train.
 
 Runs in a group must share everything that fixes tensor shapes and the optimiser: task, model,
 batch size, step budget, learning rate, weight decay, eval interval and validation set
-(``group_key``). Groups do not checkpoint mid-run (a group takes tens of seconds); single runs do.
+(``group_key``). A group checkpoints and resumes as a single run does (``train.checkpoint``: the
+stacked weights, the optimiser state, every run's generators), bit-identically; the checkpoint names
+its runs, and resuming it into another group is refused.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from . import fastpath
 from .config import RunConfig
 from .optim import AdamW
 from .runtime import training_settings
-from .train import (RunResult, build_model, check_finite, metrics_row, param_groups, prior_dropped, run_summary,
-                    seeded_generator, step_gates, with_dual_loss)
+from .train import (CheckpointClock, RunResult, build_model, check_finite, checkpoint, metrics_row, param_groups,
+                    prior_dropped, restore_checkpoint, run_summary, seeded_generator, step_gates, with_dual_loss)
 from .tasks import make_task
 
 __all__ = ["train_group", "group_key"]
@@ -67,22 +69,26 @@ def group_key(cfg: RunConfig) -> str:
 
 
 def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, progress: bool = False,
-                device: str | torch.device | None = None) -> list[RunResult]:
+                device: str | torch.device | None = None, *, resume: dict | None = None,
+                on_checkpoint=None, checkpoint_seconds: float | None = None) -> list[RunResult]:
     """Train ``cfgs`` together. ``device``: where the stacked parameters and batches live (default
     ``$SOFTPRIOR_DEVICE`` or ``cpu``; e.g. ``cuda``). Data is drawn on the CPU from each run's own
     generator and copied over, so a run's numbers depend only on its config, not on the device's RNG.
     Results (weights, metrics) come back on the CPU. Runs inside ``runtime.training_settings()``
-    (flush-to-zero on while training, restored afterwards)."""
+    (flush-to-zero on while training, restored afterwards).
+
+    resume / on_checkpoint / checkpoint_seconds: as in ``train.train``, for the whole group (the
+    first config's ``checkpoint_every``); the checkpoint's ``meta["run_ids"]`` names the runs, in order."""
     if not cfgs:
         return []
     keys = {group_key(c) for c in cfgs}
     if len(keys) != 1:
         raise ValueError("train_group needs configs that differ only in path, seed, grad_clip and initialisation")
     with training_settings():
-        return _train_group(cfgs, init_states, progress, device)
+        return _train_group(cfgs, init_states, progress, device, resume, on_checkpoint, checkpoint_seconds)
 
 
-def _train_group(cfgs, init_states, progress, device) -> list[RunResult]:
+def _train_group(cfgs, init_states, progress, device, resume, on_checkpoint, checkpoint_seconds) -> list[RunResult]:
     t0 = time.perf_counter()
     dev = torch.device(device or os.environ.get("SOFTPRIOR_DEVICE") or "cpu")
     K, c0 = len(cfgs), cfgs[0]
@@ -140,12 +146,24 @@ def _train_group(cfgs, init_states, progress, device) -> list[RunResult]:
     metrics: list[list[dict]] = [[] for _ in cfgs]
     loss_sum = torch.zeros(K, device=dev)
     n_in_window = 0
+    start = 0
+    run_ids = [c.run_id for c in cfgs]
+    gens = {**{f"data.{k}": g for k, g in enumerate(data_gens)}, **{f"drop.{k}": g for k, g in enumerate(drop_gens)}}
+    if resume is not None:
+        if resume["meta"].get("run_ids") != run_ids:
+            raise ValueError("this checkpoint belongs to another group of runs: "
+                             f"{resume['meta'].get('run_ids')} != {run_ids}")
+        with torch.no_grad():
+            start, metrics, loss_sum, n_in_window = restore_checkpoint(
+                resume, lambda w: [params[n].copy_(w[n]) for n in names], opt, gens)
+        loss_sum = loss_sum.to(dev)
+    clock = CheckpointClock(c0.checkpoint_every, checkpoint_seconds) if on_checkpoint is not None else None
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=steps, desc=f"group of {K}", unit="step", leave=False)
+        bar = tqdm(total=steps, initial=start, desc=f"group of {K}", unit="step", leave=False)
     zeros = torch.zeros(K, L, H, device=dev)
-    for step in range(steps):
+    for step in range(start, steps):
         # each run's gates for this step, by the single-run rules (train.step_gates, train.prior_dropped)
         applied = [step_gates(c.path, step, steps, prior_dropped(c.path, g)) for c, g in zip(cfgs, drop_gens)]
         mp, mc = model_gates()
@@ -185,6 +203,10 @@ def _train_group(cfgs, init_states, progress, device) -> list[RunResult]:
                                               {task.metric: score_z[k], "loss": loss_z[k]}))
             loss_sum = torch.zeros(K, device=dev)
             n_in_window = 0
+        if clock is not None and clock.due(done, steps):
+            ck = checkpoint(done, params, opt, gens, metrics, loss_sum, n_in_window)
+            ck["meta"]["run_ids"] = run_ids
+            on_checkpoint(ck)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -194,7 +216,8 @@ def _train_group(cfgs, init_states, progress, device) -> list[RunResult]:
     results = []
     n_params = base.n_params()
     for k, c in enumerate(cfgs):
-        summary = run_summary(c, task, metrics[k][-1], steps, seconds, n_params, group_size=K)
+        summary = run_summary(c, task, metrics[k][-1], steps, seconds, n_params, group_size=K,
+                              **({"resumed_at": start} if start else {}))
         state = {n: params[n][k].detach().to("cpu", copy=True) for n in names}
         results.append(RunResult(c, summary, metrics[k], state))
     return results

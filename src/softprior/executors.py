@@ -4,10 +4,16 @@ The driver alone touches the store: it skips finished runs, trains parents of de
 claims runs in a transaction (so two sweeps on one store never train the same run), hands *pure*
 jobs (configs in, results out) to a backend, and writes each result as it arrives. Backends:
 
-- ``serial``: in this process (single runs checkpoint to the store and resume after a kill);
+- ``serial``: in this process;
 - ``local`` with ``workers > 1``: a process pool, each worker with ``torch`` threads = cores/workers;
 - ``ray``: one Ray task per job with ``num_cpus`` set, consumed with ``ray.wait`` as they finish,
   so a cluster without a shared filesystem works (results travel back through Ray's object store).
+
+Nothing is lost when a sweep is killed: a job (a run or a group) writes a checkpoint to its run
+directory every ``checkpoint_seconds`` of training (default ``SWEEP_CHECKPOINT_SECONDS``; not on a
+remote Ray cluster, which may not see the store's files), and the next sweep keeps a checkpointed
+group together and resumes it bit-identically. Workers write only these scratch files; the driver
+alone writes results and the index.
 
 A job is one run or a group of compatible runs trained together (``engine.train_group``). A failing
 run (exception or NaN loss) is recorded with its error and the sweep goes on. When the group engine
@@ -32,7 +38,10 @@ from .config import RunConfig
 from .store import RunStore
 
 __all__ = ["execute", "sweep_plan", "SweepReport", "JobResult", "work", "choose_group_size", "GROUP_SCALING", "save_group_scaling",
-           "load_group_scaling"]
+           "load_group_scaling", "SWEEP_CHECKPOINT_SECONDS"]
+
+# a sweep job checkpoints after every this many seconds of training ($SOFTPRIOR_CHECKPOINT_SECONDS)
+SWEEP_CHECKPOINT_SECONDS = 120.0
 
 # ms per run-step of a base-model group of K runs at 1 thread (each sweep worker's setting), measured by
 # ``benchmarks/scaling.py`` on the development machine (docs/PERFORMANCE.md): per-op overhead is paid
@@ -88,42 +97,44 @@ def _set_threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
 
 
-def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | None = None) -> JobResult:
-    """Pure: train ``cfgs`` (one run, or a group). A group whose engine raises returns the exception
-    and its traceback (``JobResult.engine_error``), not results: the driver records it, then retrains."""
+def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | None = None,
+         checkpoints: str | None = None, checkpoint_seconds: float | None = None, progress: bool = False) -> JobResult:
+    """Train ``cfgs`` (one run, or a group); pure but for checkpoint files: with ``checkpoints`` (a
+    store's root) the job resumes from its checkpoint there, if any, and writes one every
+    ``checkpoint_seconds`` of training. A group whose engine raises returns the exception and its
+    traceback (``JobResult.engine_error``), not results: the driver records it, then retrains."""
     if threads:
         _set_threads(threads)
     from . import engine
     from .train import train
+    ck = {}
+    if checkpoints is not None:
+        from .store.files import RunFiles
+        files, rids = RunFiles(Path(checkpoints)), [c.run_id for c in cfgs]
+        if len(cfgs) == 1:
+            ck = {"resume": files.load_checkpoint(rids[0]), "on_checkpoint": lambda c: files.save_checkpoint(rids[0], c)}
+        else:
+            ck = {"resume": files.load_group_checkpoint(rids),
+                  "on_checkpoint": lambda c: files.save_group_checkpoint(rids, c)}
+        ck["checkpoint_seconds"] = checkpoint_seconds
     if len(cfgs) == 1:
         try:
-            return JobResult([(train(cfgs[0], init_state=(init_states or [None])[0]), None)])
+            return JobResult([(train(cfgs[0], init_state=(init_states or [None])[0], progress=progress, **ck), None)])
         except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
             return JobResult([(None, f"{type(e).__name__}: {e}")])
     try:
-        return JobResult([(r, None) for r in engine.train_group(cfgs, init_states=init_states)])
+        return JobResult([(r, None) for r in engine.train_group(cfgs, init_states=init_states, progress=progress, **ck)])
     except Exception as e:  # noqa: BLE001 - reported by the driver, which then trains each run alone
         return JobResult(engine_error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
 # ------------------------------------------------------------------------------------ backends
 class _Serial:
-    def __init__(self, store: RunStore, progress: bool):
-        self.store, self.progress, self.pending = store, progress, []
+    def __init__(self, checkpoints: str | None, checkpoint_seconds: float | None, progress: bool):
+        self.ck, self.progress, self.pending = (checkpoints, checkpoint_seconds), progress, []
 
     def submit(self, cfgs, init_states):
-        if len(cfgs) == 1:  # in-process single runs checkpoint and resume through the store
-            from .train import train
-            c = cfgs[0]
-            try:
-                r = train(c, init_state=(init_states or [None])[0], resume=self.store.load_checkpoint(c.run_id),
-                          on_checkpoint=lambda ck: self.store.save_checkpoint(c.run_id, ck), progress=self.progress)
-                out = JobResult([(r, None)])
-            except Exception as e:  # noqa: BLE001
-                out = JobResult([(None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")])
-        else:
-            out = work(cfgs, init_states)
-        self.pending.append((cfgs, init_states, out))
+        self.pending.append((cfgs, init_states, work(cfgs, init_states, None, *self.ck, progress=self.progress)))
 
     def next_done(self):
         return self.pending.pop(0)
@@ -136,15 +147,16 @@ class _Serial:
 
 
 class _Pool:
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, checkpoints: str | None, checkpoint_seconds: float | None):
         from concurrent.futures import ProcessPoolExecutor
         import multiprocessing as mp
         self.threads = max(1, (os.cpu_count() or 1) // workers)
         self.ex = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
         self.futs = {}
+        self.ck = (checkpoints, checkpoint_seconds)
 
     def submit(self, cfgs, init_states):
-        self.futs[self.ex.submit(work, cfgs, init_states, self.threads)] = (cfgs, init_states)
+        self.futs[self.ex.submit(work, cfgs, init_states, self.threads, *self.ck)] = (cfgs, init_states)
 
     def next_done(self):
         from concurrent.futures import FIRST_COMPLETED, wait
@@ -164,7 +176,7 @@ class _Pool:
 
 
 class _Ray:
-    def __init__(self, address: str | None, cpus_per_job: int):
+    def __init__(self, address: str | None, cpus_per_job: int, checkpoints: str | None, checkpoint_seconds: float | None):
         try:
             import ray
         except ImportError:
@@ -175,9 +187,10 @@ class _Ray:
         self.remote = ray.remote(num_cpus=cpus_per_job)(work)
         self.cpus = cpus_per_job
         self.refs = {}
+        self.ck = (checkpoints, checkpoint_seconds)
 
     def submit(self, cfgs, init_states):
-        self.refs[self.remote.remote(cfgs, init_states, self.cpus)] = (cfgs, init_states)
+        self.refs[self.remote.remote(cfgs, init_states, self.cpus, *self.ck)] = (cfgs, init_states)
 
     def next_done(self):
         done, _ = self.ray.wait(list(self.refs), num_returns=1)
@@ -240,12 +253,18 @@ def choose_group_size(n_runs: int, workers: int, scaling: dict[int, float] | Non
     return max(1, min(k, -(-n_runs // max(workers, 1))))
 
 
-def _jobs(cfgs: list[RunConfig], group_size: int) -> list[list[RunConfig]]:
+def _jobs(cfgs: list[RunConfig], group_size: int, kept: list[list[str]] = ()) -> list[list[RunConfig]]:
+    """The jobs of a sweep: groups of up to ``group_size`` compatible runs (``engine.group_key``). A
+    group in ``kept`` (run ids of a group checkpoint that a killed sweep left) is kept together, so it
+    resumes where it stopped, whatever size the new plan would give it."""
+    by_id = {c.run_id: c for c in cfgs}
+    jobs = [[by_id[r] for r in g] for g in kept]
+    cfgs = [c for c in cfgs if not any(c.run_id in g for g in kept)]
     if group_size <= 1:
-        return [[c] for c in cfgs]
+        return jobs + [[c] for c in cfgs]
     from .engine import group_key
     buckets: dict[str, list[RunConfig]] = {}
-    jobs = [[c] for c in cfgs if c.snapshot_every]  # snapshots are taken by the single-run trainer
+    jobs += [[c] for c in cfgs if c.snapshot_every]  # snapshots are taken by the single-run trainer
     for c in (c for c in cfgs if not c.snapshot_every):
         buckets.setdefault(group_key(c), []).append(c)
     for b in buckets.values():
@@ -277,10 +296,12 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
             group_size: int | str = 1, address: str | None = None, progress: bool = True,
             wait_for_others: bool = True, poll_seconds: float = 2.0, sweep_bar: bool = True,
             on_result: Callable[[RunConfig, dict | None, str | None], None] | None = None,
-            require_calibration: bool = True) -> SweepReport:
+            require_calibration: bool = True, checkpoint_seconds: float | None = None) -> SweepReport:
     """Make sure every config in ``cfgs`` is in ``store``; return what happened.
 
     ``group_size``: runs per group (``engine.train_group``), or "auto" (``choose_group_size``).
+    ``checkpoint_seconds``: how often a job checkpoints (default ``$SOFTPRIOR_CHECKPOINT_SECONDS`` or
+    ``SWEEP_CHECKPOINT_SECONDS``); a killed sweep's next run resumes from there.
     ``require_calibration``: refuse (``CalibrationMissing``) before training anything when a
     prediction row to be trained has no pre-registered calibration record (calibration/record.py)."""
     t0 = time.perf_counter()
@@ -299,12 +320,16 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     parents = _unique([c.parent() for c in cfgs if c.parent() is not None])
     phases = [[p for p in parents if p.run_id not in {c.run_id for c in cfgs}], [c for c in cfgs if c.parent() is None],
               [c for c in cfgs if c.parent() is not None]]
-    if executor == "ray":
-        backend = _Ray(address, max(1, (os.cpu_count() or 1) // max(workers, 1)) if address is None else 1)
+    if checkpoint_seconds is None:
+        checkpoint_seconds = float(os.environ.get("SOFTPRIOR_CHECKPOINT_SECONDS", SWEEP_CHECKPOINT_SECONDS))
+    ck = str(store.root)
+    if executor == "ray":  # a remote cluster may not see the store's files: no checkpoints there
+        backend = _Ray(address, max(1, (os.cpu_count() or 1) // max(workers, 1)) if address is None else 1,
+                       ck if address is None else None, checkpoint_seconds)
     elif workers > 1:
-        backend = _Pool(workers)
+        backend = _Pool(workers, ck, checkpoint_seconds)
     else:
-        backend = _Serial(store, progress)
+        backend = _Serial(ck, checkpoint_seconds, progress)
     bar = None
     if progress and sweep_bar:
         from tqdm.auto import tqdm
@@ -323,7 +348,13 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
                     report.failed.append((c.run_id, f"parent run {parent.run_id} is not available"))
                     continue
                 (mine if store.claim(c) else waiting).append(c)
-            for job in _jobs(mine, group_size):
+            mine_ids = {c.run_id for c in mine}
+            kept: list[list[str]] = []
+            for c in mine:
+                g = store.files.checkpointed_group(c.run_id)
+                if g and set(g) <= mine_ids and not any(set(g) & set(k) for k in kept):
+                    kept.append(g)
+            for job in _jobs(mine, group_size, kept):
                 inits = None
                 if any(c.parent() is not None for c in job):
                     inits = [store.load_state(c.parent().run_id) if c.parent() is not None else None for c in job]
@@ -366,6 +397,8 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
 
 def _collect(backend, store, report, failed_ids, bar, on_result):
     cfgs, inits, job = backend.next_done()
+    store.heartbeat()  # the sweep's other claims stay alive while it works (another host's expire in 6 h)
+    store.files.drop_checkpoint(cfgs[0].run_id)  # a group's checkpoint (kept in its first run's directory)
     if job.engine_error is not None:
         # record and report the engine's exception first, then fall back to one run per job
         rids = [c.run_id for c in cfgs]

@@ -141,22 +141,24 @@ def metrics_row(step: int, train_loss: float, applied: tuple, model_gates: tuple
 
 def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
           resume: dict | None = None, on_checkpoint: Callable[[dict], None] | None = None,
-          progress: bool = False) -> RunResult:
+          progress: bool = False, checkpoint_seconds: float | None = None) -> RunResult:
     """Train one run.
 
     init_state: weights to start from (post hoc continuation from a parent's final checkpoint).
     resume: a checkpoint dict previously passed to ``on_checkpoint``; training continues from it
         bit-identically to an uninterrupted run.
-    on_checkpoint: called every ``cfg.checkpoint_every`` steps with a dict of tensors + metadata.
+    on_checkpoint: called every ``cfg.checkpoint_every`` steps, and at the first step after every
+        ``checkpoint_seconds`` of training (sweeps: ``executors``), with a dict of tensors + metadata.
 
     Runs inside ``runtime.training_settings()``: flush-to-zero is on while training and restored
     afterwards (the caller's float behaviour is unchanged by a run).
     """
     with training_settings():
-        return _train(cfg, init_state=init_state, resume=resume, on_checkpoint=on_checkpoint, progress=progress)
+        return _train(cfg, init_state=init_state, resume=resume, on_checkpoint=on_checkpoint, progress=progress,
+                      checkpoint_seconds=checkpoint_seconds)
 
 
-def _train(cfg: RunConfig, *, init_state, resume, on_checkpoint, progress) -> RunResult:
+def _train(cfg: RunConfig, *, init_state, resume, on_checkpoint, progress, checkpoint_seconds) -> RunResult:
     t0 = time.perf_counter()
     task = make_task(cfg.task)
     T, steps = cfg.model.n_ctx, cfg.total_steps
@@ -175,9 +177,12 @@ def _train(cfg: RunConfig, *, init_state, resume, on_checkpoint, progress) -> Ru
     start = 0
     loss_sum = torch.zeros(())
     n_in_window = 0
+    gens = {"data": data_gen, "drop": drop_gen}
     if resume is not None:
-        start, metrics, loss_sum, n_in_window = _restore(resume, model, opt, data_gen, drop_gen)
+        start, metrics, loss_sum, n_in_window = restore_checkpoint(resume, model.load_state_dict, opt, gens)
+        loss_sum = loss_sum.reshape(())
         snapshots = list(resume.get("snapshots", []))
+    clock = CheckpointClock(cfg.checkpoint_every, checkpoint_seconds) if on_checkpoint is not None else None
 
     def _weights():
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -217,8 +222,8 @@ def _train(cfg: RunConfig, *, init_state, resume, on_checkpoint, progress) -> Ru
                 bar.set_postfix(normal=f"{row['normal_' + task.metric]:.3f}", zero=f"{row['zero_' + task.metric]:.3f}")
         if cfg.snapshot_every and done % cfg.snapshot_every == 0:
             snapshots.append((done, _weights()))
-        if on_checkpoint is not None and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < steps:
-            ck = _snapshot(done, model, opt, data_gen, drop_gen, metrics, loss_sum, n_in_window)
+        if clock is not None and clock.due(done, steps):
+            ck = checkpoint(done, model.state_dict(), opt, gens, metrics, loss_sum, n_in_window)
             ck["snapshots"] = list(snapshots)
             on_checkpoint(ck)
         if bar is not None:
@@ -226,13 +231,16 @@ def _train(cfg: RunConfig, *, init_state, resume, on_checkpoint, progress) -> Ru
     if bar is not None:
         bar.close()
 
-    summary = run_summary(cfg, task, metrics[-1], steps, round(time.perf_counter() - t0, 3), model.n_params())
+    summary = run_summary(cfg, task, metrics[-1], steps, round(time.perf_counter() - t0, 3), model.n_params(),
+                          **({"resumed_at": start} if start else {}))
     return RunResult(cfg, summary, metrics, _weights(), snapshots)
 
 
 def run_summary(cfg: RunConfig, task: Task, last: dict, steps: int, seconds: float, n_params: int,
                 **extra) -> dict:
-    """A finished run's summary, from its final evaluation row (shared by train and engine)."""
+    """A finished run's summary, from its final evaluation row (shared by train and engine).
+    ``extra``: e.g. ``group_size``, and ``resumed_at`` (the checkpoint's step) for a resumed run;
+    ``seconds`` then counts only the time since the resume."""
     m = task.metric
     return {"run_id": cfg.run_id, "task": cfg.task.name, "path": cfg.path.name, "seed": cfg.seed, "metric": m,
             f"normal_{m}": last[f"normal_{m}"], f"zero_{m}": last[f"zero_{m}"],
@@ -242,23 +250,47 @@ def run_summary(cfg: RunConfig, task: Task, last: dict, steps: int, seconds: flo
 
 
 # ------------------------------------------------------------------------------- checkpoints
-def _snapshot(step, model, opt, data_gen, drop_gen, metrics, loss_sum, n_in_window) -> dict:
+# One format for single runs and groups (engine.py): weights, optimiser state, every generator's
+# state, the running loss sum and the metrics so far; resuming from it is bit-identical.
+class CheckpointClock:
+    """When a checkpoint is due: every ``every_steps`` steps (0: not by steps) and at the first step
+    after every ``every_seconds`` of wall time (None: not by time); never after the last step."""
+
+    def __init__(self, every_steps: int = 0, every_seconds: float | None = None):
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.last = time.perf_counter()
+
+    def due(self, done: int, steps: int) -> bool:
+        if done >= steps:
+            return False
+        now = time.perf_counter()
+        if (self.every_steps and done % self.every_steps == 0) or \
+                (self.every_seconds is not None and now - self.last >= self.every_seconds):
+            self.last = now
+            return True
+        return False
+
+
+def checkpoint(step: int, weights: dict[str, torch.Tensor], opt, gens: dict[str, torch.Generator], metrics: list,
+               loss_sum: torch.Tensor, n_in_window: int) -> dict:
     """A resumable checkpoint as flat tensors (safetensors-ready) plus JSON-able metadata."""
-    tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    tensors = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in weights.items()}
     sd = opt.state_dict()
     for pid, st in sd["state"].items():
         for k, v in st.items():
-            tensors[f"opt.{pid}.{k}"] = torch.as_tensor(v).detach().clone().reshape(-1) if k == "step" else v.detach().clone()
-    tensors["rng.data"] = data_gen.get_state()
-    tensors["rng.drop"] = drop_gen.get_state()
-    tensors["loss_sum"] = loss_sum.detach().clone().reshape(1)
-    meta = {"step": step, "n_in_window": n_in_window, "metrics": [dict(r) for r in metrics]}
+            v = torch.as_tensor(v).detach().to("cpu", copy=True)
+            tensors[f"opt.{pid}.{k}"] = v.reshape(-1) if k == "step" else v
+    tensors.update({f"rng.{name}": g.get_state() for name, g in gens.items()})
+    tensors["loss_sum"] = loss_sum.detach().to("cpu", copy=True).reshape(-1)
+    meta = {"step": step, "n_in_window": n_in_window, "metrics": json.loads(json.dumps(metrics))}
     return {"tensors": tensors, "meta": meta}
 
 
-def _restore(ckpt: dict, model, opt, data_gen, drop_gen):
+def restore_checkpoint(ckpt: dict, load_weights: Callable[[dict], None], opt, gens: dict[str, torch.Generator]):
+    """Load ``checkpoint``'s state into the weights (``load_weights``), ``opt`` and ``gens``; return
+    (step, metrics, loss_sum as saved (flat), n_in_window)."""
     t, meta = ckpt["tensors"], ckpt["meta"]
-    model.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("model.")})
+    load_weights({k[6:]: v for k, v in t.items() if k.startswith("model.")})
     sd = opt.state_dict()
     state = {}
     for pid in range(sum(len(g["params"]) for g in sd["param_groups"])):
@@ -267,9 +299,9 @@ def _restore(ckpt: dict, model, opt, data_gen, drop_gen):
             state[pid] = {k.split(".", 2)[2]: (t[k].reshape(()) if k.endswith(".step") else t[k]) for k in keys}
     sd["state"] = state
     opt.load_state_dict(sd)
-    data_gen.set_state(t["rng.data"])
-    drop_gen.set_state(t["rng.drop"])
-    return meta["step"], list(meta["metrics"]), t["loss_sum"].reshape(()).clone(), meta["n_in_window"]
+    for name, g in gens.items():
+        g.set_state(t[f"rng.{name}"])
+    return meta["step"], list(meta["metrics"]), t["loss_sum"].clone(), meta["n_in_window"]
 
 
 def metrics_jsonl(metrics: list[dict]) -> str:

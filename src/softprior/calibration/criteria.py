@@ -210,6 +210,12 @@ CLAIMS: list[Claim] = [
             statement=f"Markov induction at p={p}: the fade keeps a zero-gate circuit that forced_zero lacks",
             conditions=(_c(_row("fade600", p=p), ">=", 0.1, other=_row("forced_zero", p=p)),))
       for p in (0.2, 0.5, 0.8)],
+    # the paper says only that linear ICL is "a boundary case where forced_zero already learns"; our
+    # reading as a prediction: the fade then buys nothing at zero gate (query MSE/d, lower is better)
+    Claim(name="linear icl boundary", task="linear_icl",
+          statement="linear ICL is a boundary case: the fade's zero-gate MSE/d is no better than forced_zero's "
+                    "by more than .1 (our reading of the paper's qualitative claim)",
+          conditions=(_c(_FADE, ">=", -0.1, other=_F),)),
 ]
 
 

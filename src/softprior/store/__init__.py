@@ -77,7 +77,8 @@ class RunStore:
         """Atomically mark ``cfg`` as running by this process. False if done or held by a live owner."""
         return self.index.claim(cfg)
 
-    def heartbeat(self, run_id: str) -> None:
+    def heartbeat(self, run_id: str | None = None) -> None:
+        """Refresh this process's claim on ``run_id``, or (None) on every run it holds."""
         self.index.heartbeat(run_id)
 
     def release(self, run_id: str) -> None:

@@ -50,6 +50,23 @@ def _atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata:
     return digest
 
 
+GROUP_CHECKPOINT = "group_checkpoint.safetensors"
+
+
+def _read_checkpoint(f: Path) -> dict | None:
+    """{"tensors", "meta"} of a checkpoint file; None if it is missing or unreadable (a corrupt
+    checkpoint is ignored: its runs restart from scratch)."""
+    if not f.exists():
+        return None
+    try:
+        from safetensors import safe_open
+        with safe_open(str(f), framework="pt") as sf:
+            meta = json.loads(sf.metadata()["meta"])
+        return {"tensors": load_file(str(f)), "meta": meta}
+    except (SafetensorError, KeyError, ValueError, OSError, TypeError):
+        return None
+
+
 class RunFiles:
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -76,8 +93,12 @@ class RunFiles:
                                                    json.dumps(result.summary, indent=2, sort_keys=True).encode())
         return sums
 
+    # A checkpoint is scratch state while a run trains: ``checkpoint.safetensors`` for a single run;
+    # for a group (engine.train_group), ``group_checkpoint.safetensors`` in its first run's directory,
+    # whose metadata names the group's runs in order. Sweep workers write these files (never the index).
     def drop_checkpoint(self, run_id: str) -> None:
-        (self.run_dir(run_id) / "checkpoint.safetensors").unlink(missing_ok=True)
+        for name in ("checkpoint.safetensors", GROUP_CHECKPOINT):
+            (self.run_dir(run_id) / name).unlink(missing_ok=True)
 
     def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
         d = self.run_dir(run_id)
@@ -90,20 +111,39 @@ class RunFiles:
         _atomic_save_tensors(d / "checkpoint.safetensors", ckpt["tensors"], {"meta": ckpt["meta"]})
 
     def load_checkpoint(self, run_id: str) -> dict | None:
-        f = self.run_dir(run_id) / "checkpoint.safetensors"
+        ck = _read_checkpoint(self.run_dir(run_id) / "checkpoint.safetensors")
+        if ck is not None:
+            try:
+                d = self.run_dir(run_id)
+                snaps = sorted((d / "snapshots").glob("step_*.safetensors"))
+                snapshots = [(int(g.stem.split("_")[1]), load_file(str(g))) for g in snaps]
+            except (SafetensorError, ValueError, OSError):
+                return None  # a corrupt snapshot: the run restarts from scratch
+            ck["snapshots"] = [(st, w) for st, w in snapshots if st <= ck["meta"]["step"]]
+        return ck
+
+    def save_group_checkpoint(self, run_ids: list[str], ckpt: dict) -> None:
+        d = self.run_dir(run_ids[0])
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_save_tensors(d / GROUP_CHECKPOINT, ckpt["tensors"], {"meta": {**ckpt["meta"], "run_ids": list(run_ids)}})
+
+    def load_group_checkpoint(self, run_ids: list[str]) -> dict | None:
+        """The checkpoint of exactly this group (these runs, in this order), or None."""
+        ck = _read_checkpoint(self.run_dir(run_ids[0]) / GROUP_CHECKPOINT)
+        return ck if ck is not None and ck["meta"].get("run_ids") == list(run_ids) else None
+
+    def checkpointed_group(self, run_id: str) -> list[str] | None:
+        """The runs of the group checkpoint kept in ``run_id``'s directory (only its metadata is read)."""
+        f = self.run_dir(run_id) / GROUP_CHECKPOINT
         if not f.exists():
             return None
         try:
             from safetensors import safe_open
             with safe_open(str(f), framework="pt") as sf:
-                meta = json.loads(sf.metadata()["meta"])
-            snaps = sorted((d / "snapshots").glob("step_*.safetensors")) if (d := self.run_dir(run_id)).exists() else []
-            snapshots = [(int(g.stem.split("_")[1]), load_file(str(g))) for g in snaps]
-            return {"tensors": load_file(str(f)), "meta": meta,
-                    "snapshots": [(st, w) for st, w in snapshots if st <= meta["step"]]}
-        except (SafetensorError, KeyError, ValueError, OSError):
-            return None  # a corrupt checkpoint is ignored: the run restarts from scratch
-
+                ids = json.loads(sf.metadata()["meta"]).get("run_ids")
+            return list(ids) if ids and ids[0] == run_id else None
+        except (SafetensorError, KeyError, ValueError, OSError, TypeError):
+            return None
 
     def read_config(self, run_id: str) -> RunConfig:
         f = self.run_dir(run_id) / "config.json"

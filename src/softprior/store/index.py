@@ -136,9 +136,13 @@ class RunIndex:
                 db.execute("ROLLBACK")
                 raise
 
-    def heartbeat(self, run_id: str) -> None:
+    def heartbeat(self, run_id: str | None = None) -> None:
+        """Refresh this process's claim on ``run_id``, or (None) on every run it holds."""
         with self._connect() as db:
-            db.execute("UPDATE runs SET heartbeat=? WHERE run_id=? AND owner=?", (time.time(), run_id, self.owner))
+            if run_id is None:
+                db.execute("UPDATE runs SET heartbeat=? WHERE owner=? AND status='running'", (time.time(), self.owner))
+            else:
+                db.execute("UPDATE runs SET heartbeat=? WHERE run_id=? AND owner=?", (time.time(), run_id, self.owner))
 
     def release(self, run_id: str) -> None:
         """Drop this process's claim on an unfinished run (e.g. on Ctrl-C)."""
