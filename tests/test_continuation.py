@@ -285,3 +285,21 @@ def test_continuation_trace_experiment_end_to_end(tmp_path):
     assert post["grad_norm"][0] == pytest.approx(unf["grad_norm"][2], rel=1e-6)
     # learned gates move (a tangent per interval); g = 0 throughout: nothing to track
     assert unf["tracking_cos"][:2].notna().all() and fz["tracking_cos"].isna().all() and post["tracking_cos"].isna().all()
+    # a second report reads the traces back from the store's cache: the same table, to the last digit,
+    # without computing them again
+    import softprior.analysis.continuation as cont
+    assert len(list((tmp_path / "s" / "analysis_cache").glob("continuation_*.csv"))) == len(cells)
+    def boom(*a, **k):
+        raise AssertionError("recomputed a cached trace")
+    orig, cont.continuation_trace = cont.continuation_trace, boom
+    try:
+        assert write_report(store, exp, cells, tmp_path / "out2") == md
+    finally:
+        cont.continuation_trace = orig
+    # and the cache keeps every bit: one run's trace computed, then read back
+    from softprior.analysis.reports import _cached_trace
+    c = next(c for c in cells if c.row == "unforced")
+    kw = dict(n_examples=32, damping=1e-3, max_iter=5, method="minres", step_offset=0)
+    computed = _cached_trace(store, c.cfg, [(0, 1)], **kw)
+    assert not computed.empty
+    pd.testing.assert_frame_equal(_cached_trace(store, c.cfg, [(0, 1)], **kw), computed, check_exact=True)

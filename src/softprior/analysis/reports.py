@@ -135,6 +135,45 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
         torch.set_num_threads(old_threads)
 
 
+# the modules whose code decides a continuation trace's numbers: a change to any of them recomputes it
+_TRACE_SOURCES = ("analysis/continuation.py", "analysis/__init__.py", "model.py", "fastpath.py", "tasks.py")
+
+
+def _cached_trace(store, cfg, heads, **kw):
+    """``continuation.continuation_trace`` of a stored run, cached in ``STORE/analysis_cache/`` (one
+    CSV per run, written atomically) under a key of the run, the circuit, the settings, torch's version
+    and the source of ``_TRACE_SOURCES``: a second report of the same store reads the numbers back
+    exactly (round-trip floats) instead of recomputing them (~30 s per large-model snapshot). The
+    ``seconds`` column keeps the time the measurement took when it was made."""
+    import hashlib
+    import json
+    import os
+
+    import pandas as pd
+
+    from .continuation import continuation_trace
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(json.dumps({"run": cfg.run_id, "heads": [list(map(int, x)) for x in heads], **kw,
+                                   "torch": torch.__version__}, sort_keys=True).encode())
+    for name in _TRACE_SOURCES:
+        h.update((root / name).read_bytes())
+    f = Path(store.root) / "analysis_cache" / f"continuation_{cfg.run_id[:16]}_{h.hexdigest()[:16]}.csv"
+    if f.exists():
+        try:
+            # pandas >= 3 parses floats round-trip by default (and deprecates asking for it)
+            exact = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
+            return pd.read_csv(f, **exact)
+        except (OSError, ValueError, pd.errors.ParserError):
+            pass  # unreadable: computed again below
+    df = continuation_trace(store.load_snapshots(cfg.run_id), cfg, heads, **kw)
+    if not df.empty:
+        f.parent.mkdir(exist_ok=True)
+        tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
+        df.to_csv(tmp, index=False)
+        os.replace(tmp, f)
+    return df
+
+
 def _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -166,8 +205,8 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
         heads, _ = circuits[key(c)]
         parent = c.cfg.parent()
         offset = parent.total_steps if parent is not None else 0
-        df = continuation_trace(store.load_snapshots(c.cfg.run_id), c.cfg, heads, n_examples=n_examples,
-                                damping=damping, max_iter=max_iter, method=method, step_offset=offset)
+        df = _cached_trace(store, c.cfg, heads, n_examples=n_examples, damping=damping, max_iter=max_iter,
+                           method=method, step_offset=offset)
         if df.empty:
             continue
         df.to_csv(out / f"continuation_{c.col or c.cfg.task.name}_{c.row}_seed{c.cfg.seed}.csv".replace("/", "_"),

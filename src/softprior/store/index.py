@@ -71,10 +71,6 @@ def _same_host(owner: str | None) -> bool:
     return bool(owner) and owner.rpartition(":")[0] == socket.gethostname()
 
 
-def _model_label(cfg: RunConfig) -> str:
-    return size_label(cfg.model)
-
-
 class RunIndex:
     def __init__(self, root: Path, owner: str):
         self.root, self.owner = Path(root), owner
@@ -128,7 +124,7 @@ class RunIndex:
                     " VALUES(?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT(run_id) DO UPDATE SET status='running', owner=excluded.owner,"
                     " heartbeat=excluded.heartbeat, error=NULL, updated=excluded.updated",
-                    (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                    (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, size_label(cfg.model),
                      json.dumps(cfg.canonical(), sort_keys=True), self.owner, now, now, now))
                 db.execute("COMMIT")
                 return True
@@ -164,7 +160,7 @@ class RunIndex:
                 " VALUES(?, 'failed', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(run_id) DO UPDATE SET status='failed', error=excluded.error, updated=excluded.updated"
                 " WHERE runs.status != 'done'",  # never over a result another process committed
-                (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, size_label(cfg.model),
                  json.dumps(cfg.canonical(), sort_keys=True), error, self.owner, now, now))
 
     def record_engine_error(self, run_ids: list[str], error: str) -> None:
@@ -195,7 +191,7 @@ class RunIndex:
                     " VALUES(?, 'done', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT(run_id) DO UPDATE SET status='done', summary=excluded.summary, error=NULL,"
                     " updated=excluded.updated",
-                    (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, _model_label(cfg),
+                    (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, size_label(cfg.model),
                      json.dumps(cfg.canonical(), sort_keys=True), json.dumps(summary), self.owner, now, now))
                 db.execute("DELETE FROM files WHERE run_id=?", (cfg.run_id,))
                 db.executemany("INSERT INTO files(run_id, name, sha256, size) VALUES(?, ?, ?, ?)",
