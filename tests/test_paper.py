@@ -141,3 +141,32 @@ def test_continuation_claims_are_read_from_the_analysis_claims_table(tmp_path):
     assert v["recovery signal"] == "reproduced"
     assert v["fade tracks the optimum"] == "reproduced"  # .8 >= .2
     assert v["linear ICL aligned"] == "reproduced"  # .5 >= .05
+
+
+def test_reports_written_in_parallel_equal_the_serial_ones(tmp_path):
+    """``write_reports(workers=2)`` rebuilds each experiment's cells in a worker (plugins loaded
+    there too) and writes the same files as one process does."""
+    from softprior.executors import execute
+    from softprior.experiments import load_plugin
+    from softprior.paper import write_reports
+    from softprior.store import RunStore
+    plugin = tmp_path / "two.py"
+    plugin.write_text(
+        "from softprior.experiments import Experiment, Cell, register_experiment\n"
+        "from softprior.config import make_run_config\n"
+        "for name, path in (('par_a', 'fade40'), ('par_b', 'forced_zero')):\n"
+        "    register_experiment(Experiment(name, 'parallel report test', lambda o, path=path: "
+        "[Cell(make_run_config('assoc_recall', path, s, steps=20, eval_every=10, n_val=32, batch_size=8, "
+        "calibrated=False), row=path) for s in range(2)]))\n")
+    load_plugin(str(plugin))
+    opts = Options()
+    exps = [(get_experiment(n), get_experiment(n).build(opts)) for n in ("par_a", "par_b")]
+    store = RunStore(tmp_path / "s")
+    assert not execute([c.cfg for _, cells in exps for c in cells], store, progress=False,
+                       require_calibration=False).failed
+    write_reports(store, exps, tmp_path / "one", opts=opts)
+    write_reports(store, exps, tmp_path / "two", opts=opts, workers=2, plugins=[str(plugin)])
+    for name in ("par_a", "par_b"):
+        assert "| " in (tmp_path / "one" / name / "table.md").read_text()
+        for f in ("table.md", "table.csv"):
+            assert (tmp_path / "one" / name / f).read_text() == (tmp_path / "two" / name / f).read_text()

@@ -181,14 +181,16 @@ def _paper(args, train: bool) -> int:
     from pathlib import Path
 
     from .experiments import Options, load_plugin
-    from .paper import paper_cells, write_results_doc
-    from .report import write_report
+    from .paper import paper_cells, write_reports, write_results_doc
     for f in args.plugin or []:
         load_plugin(f)
     if args.seeds is not None and args.seeds < 1:
         raise CliError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.workers < 1:
+        raise CliError(f"--workers must be >= 1, got {args.workers}")
     tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
-    exps = paper_cells(Options(seeds=args.seeds, quick=args.quick, tasks=tasks))
+    opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks)
+    exps = paper_cells(opts)
     store = _store(args)
     out = Path(args.out or "results")
     failed = 0
@@ -202,8 +204,7 @@ def _paper(args, train: bool) -> int:
                          address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
         print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         failed = len(report.failed)
-    for exp, cells in exps:
-        write_report(store, exp, cells, out / exp.name)
+    write_reports(store, exps, out, opts=opts, workers=args.workers, plugins=args.plugin or ())
     doc = args.doc or str(out / "RESULTS.md")
     write_results_doc(out, doc, names=[e.name for e, _ in exps])
     if args.readme:  # the verdicts at a glance, generated from the same tables
@@ -430,9 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--doc", default=None, help="also splice the table into this markdown file "
                        "(between <!-- table:NAME --> markers)")
         r.add_argument("--readme", default=None, help="paper only: also splice the verdict summary into this file")
+        r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray); "
+                       "for 'paper' also the processes that write the reports")
         if name == "reproduce":
             r.add_argument("--executor", default="local", choices=["local", "ray"])
-            r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray)")
             r.add_argument("--group", type=_group_arg, default="auto", help="runs trained together in one "
                            "process, their parameters stacked on a run dimension (engine.train_group); 'auto' "
                            "(default): chosen from the measured group scaling (executors.choose_group_size)")

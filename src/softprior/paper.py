@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["PAPER", "OURS", "Cond", "PaperClaim", "CLAIMS", "verdicts", "verdict_table", "verdict_summary", "write_results_doc", "formation_summary",
-           "paper_cells"]
+           "paper_cells", "write_reports"]
 
 PAPER = ["removability", "paths", "causal_controls", "fade_window", "fade_shapes", "markov_paths", "linear_paths",
          "extra_controls", "static_baselines", "gate_interventions", "length_generalisation", "mechanism_trace",
@@ -257,3 +257,47 @@ def paper_cells(opts, names=None):
     """(experiment, cells) for every experiment of the paper and ours, in order."""
     from .experiments import get_experiment
     return [(get_experiment(n), get_experiment(n).build(opts)) for n in (names or (PAPER + OURS))]
+
+
+def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=()) -> None:
+    """Every experiment's report (``report.write_report``) under ``out/NAME``. With ``workers`` > 1 in
+    a process pool (spawn), the costliest first (the mechanism and continuation analyses of snapshot
+    runs: half an hour of a whole-paper report on one core), each worker with its share of the cores.
+    A report is a function of the store alone, so the files are the same either way. ``opts`` (the
+    ``experiments.Options`` the cells were built with) and ``plugins`` rebuild the cells in a worker."""
+    from .report import write_report
+    out = Path(out)
+    if workers <= 1 or len(exps) <= 1:
+        for exp, cells in exps:
+            write_report(store, exp, cells, out / exp.name)
+        return
+    import multiprocessing as mp
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    order = sorted(exps, key=lambda e: _report_cost(e[1]), reverse=True)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        futs = [ex.submit(_report_one, str(store.root), exp.name, opts, tuple(plugins), str(out / exp.name), threads)
+                for exp, _ in order]
+        for f in as_completed(futs):
+            f.result()  # a report's exception reaches the caller
+
+
+def _report_cost(cells) -> float:
+    """A relative cost for scheduling reports: the snapshot runs' analyses dominate (width² x layers x
+    snapshots), then one unit per run read."""
+    return sum(c.cfg.model.d_model ** 2 * c.cfg.model.n_layers * c.cfg.total_steps / c.cfg.snapshot_every
+               for c in cells if c.cfg.snapshot_every) + len(cells)
+
+
+def _report_one(root: str, name: str, opts, plugins: tuple, out_dir: str, threads: int) -> None:
+    import torch
+
+    from .experiments import get_experiment, load_plugin
+    from .report import write_report
+    from .store import RunStore
+    torch.set_num_threads(threads)
+    for f in plugins:
+        load_plugin(f)
+    exp = get_experiment(name)
+    write_report(RunStore(root), exp, exp.build(opts), out_dir)
