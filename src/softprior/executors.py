@@ -121,7 +121,7 @@ def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | 
         try:
             return JobResult([(train(cfgs[0], init_state=(init_states or [None])[0], progress=progress, **ck), None)])
         except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-            return JobResult([(None, f"{type(e).__name__}: {e}")])
+            return JobResult([(None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")])
     try:
         return JobResult([(r, None) for r in engine.train_group(cfgs, init_states=init_states, progress=progress, **ck)])
     except Exception as e:  # noqa: BLE001 - reported by the driver, which then trains each run alone
@@ -322,7 +322,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
               [c for c in cfgs if c.parent() is not None]]
     if checkpoint_seconds is None:
         checkpoint_seconds = float(os.environ.get("SOFTPRIOR_CHECKPOINT_SECONDS", SWEEP_CHECKPOINT_SECONDS))
-    ck = str(store.root)
+    ck = str(Path(store.root).resolve())  # a Ray worker's working directory is not the driver's
     if executor == "ray":  # a remote cluster may not see the store's files: no checkpoints there
         backend = _Ray(address, max(1, (os.cpu_count() or 1) // max(workers, 1)) if address is None else 1,
                        ck if address is None else None, checkpoint_seconds)
