@@ -303,3 +303,11 @@ def test_reproduce_rejects_an_unusable_device(tmp_path, capsys):
     assert main(["reproduce", "paper", "--quick", "--store", str(tmp_path / "s"), "--device", "cuda:7",
                  "--no-progress", "--out", str(tmp_path / "never")]) != 0
     assert "--device 'cuda:7'" in capsys.readouterr().err and not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("command", ["reproduce", "report"])
+def test_paper_with_no_workers_is_a_usage_error(tmp_path, capsys, command):
+    rc, out, err = cli(capsys, command, "paper", "--quick", "--workers", "0", "--store", str(tmp_path / "s"),
+                       "--out", str(tmp_path / "out"), *(["--no-progress"] if command == "reproduce" else []))
+    assert_usage_error(rc, out, err, "--workers", "0")
+    assert not (tmp_path / "out").exists()
