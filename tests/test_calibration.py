@@ -172,6 +172,7 @@ def test_search_killed_and_resumed_gives_the_same_table(tmp_path):
     assert ref.returncode == 0, err
     table = (tmp_path / "out_a" / "candidates.md").read_text()
     assert len([l for l in table.splitlines() if l.startswith("| ") and "status" not in l]) == 4
+    assert (tmp_path / "out_a" / "candidates.png").stat().st_size > 1000  # the figure, before any fade600 run
 
     # the same search, killed with SIGKILL after its first runs are stored, then resumed
     p = _calibrate(tmp_path / "b", tmp_path / "out_b")

@@ -112,9 +112,10 @@ def figure(space, cands, fade: dict, path: Path) -> None:
     if any(c.cid not in fade for c in cands):
         ax.axhline(floor / 2, color="0.8", lw=0.8)
         ax.text(ax.get_xlim()[1], floor / 2, "below: no fade600 run ", ha="right", va="bottom", fontsize=7, color="0.4")
+    ax.set_ylim(floor - 0.04, max([1.05, *(v + 0.05 for v in fade.values() if math.isfinite(v))]))
     ax.set_xlabel("difficulty distance (sum of criterion gaps; 0 = on the paper's rows)\n"
                   "1 seed if pruned, 3 seeds otherwise: not comparable across the two", fontsize=9)
-    ax.set_ylabel("fade600->0 zero-gate (seed 0)")
+    ax.set_ylabel(f"fade600->0 zero-gate {'query MSE/d' if space.task == 'linear_icl' else 'accuracy'} (seed 0)")
     ax.set_title(f"calibration candidates: {space.name} ({len(cands)})")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -134,8 +135,8 @@ def write_outputs(space, cands, out: Path, fade: dict | None = None) -> dict:
                      "means": c.means, "values": c.values, "formation": c.formation, "error": c.error})
     (out / "candidates.json").write_text(json.dumps(rows, indent=1, sort_keys=True))
     files = {"table": out / "candidates.md", "json": out / "candidates.json"}
-    if fade:
-        figure(space, cands, fade, out / "candidates.png")
+    if any(not math.isnan(c.distance) for c in cands):  # before any fade600 run, every point sits on the strip
+        figure(space, cands, fade or {}, out / "candidates.png")
         files["figure"] = out / "candidates.png"
     return files
 
