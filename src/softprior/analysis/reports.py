@@ -141,16 +141,16 @@ _TRACE_SOURCES = ("analysis/continuation.py", "analysis/__init__.py", "model.py"
 
 def _cached_trace(store, cfg, heads, **kw):
     """``continuation.continuation_trace`` of a stored run, cached in ``STORE/analysis_cache/`` (one
-    CSV per run, written atomically) under a key of the run, the circuit, the settings, torch's version
-    and the source of ``_TRACE_SOURCES``: a second report of the same store reads the numbers back
-    exactly (round-trip floats) instead of recomputing them (~30 s per large-model snapshot). The
-    ``seconds`` column keeps the time the measurement took when it was made."""
+    CSV per run, written atomically by the store's own writer) under a key of the run, the circuit,
+    the settings, torch's version and the source of ``_TRACE_SOURCES``: a second report of the same
+    store reads the numbers back exactly (round-trip floats) instead of recomputing them (~30 s per
+    large-model snapshot). The ``seconds`` column keeps the time the measurement took when it was made."""
     import hashlib
     import json
-    import os
 
     import pandas as pd
 
+    from ..store.files import _atomic_write_bytes
     from .continuation import continuation_trace
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256(json.dumps({"run": cfg.run_id, "heads": [list(map(int, x)) for x in heads], **kw,
@@ -168,9 +168,7 @@ def _cached_trace(store, cfg, heads, **kw):
     df = continuation_trace(store.load_snapshots(cfg.run_id), cfg, heads, **kw)
     if not df.empty:
         f.parent.mkdir(exist_ok=True)
-        tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
-        df.to_csv(tmp, index=False)
-        os.replace(tmp, f)
+        _atomic_write_bytes(f, df.to_csv(index=False).encode())
     return df
 
 

@@ -53,17 +53,30 @@ def _atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata:
 GROUP_CHECKPOINT = "group_checkpoint.safetensors"
 
 
-def _read_checkpoint(f: Path) -> dict | None:
-    """{"tensors", "meta"} of a checkpoint file; None if it is missing or unreadable (a corrupt
-    checkpoint is ignored: its runs restart from scratch)."""
+_UNREADABLE = (SafetensorError, KeyError, ValueError, OSError, TypeError)
+
+
+def _read_meta(f: Path) -> dict | None:
+    """The ``meta`` of a checkpoint file (only its header is read); None if missing or unreadable."""
     if not f.exists():
         return None
     try:
         from safetensors import safe_open
         with safe_open(str(f), framework="pt") as sf:
-            meta = json.loads(sf.metadata()["meta"])
+            return json.loads(sf.metadata()["meta"])
+    except _UNREADABLE:
+        return None
+
+
+def _read_checkpoint(f: Path) -> dict | None:
+    """{"tensors", "meta"} of a checkpoint file; None if it is missing or unreadable (a corrupt
+    checkpoint is ignored: its runs restart from scratch)."""
+    meta = _read_meta(f)
+    if meta is None:
+        return None
+    try:
         return {"tensors": load_file(str(f)), "meta": meta}
-    except (SafetensorError, KeyError, ValueError, OSError, TypeError):
+    except _UNREADABLE:
         return None
 
 
@@ -134,16 +147,9 @@ class RunFiles:
 
     def checkpointed_group(self, run_id: str) -> list[str] | None:
         """The runs of the group checkpoint kept in ``run_id``'s directory (only its metadata is read)."""
-        f = self.run_dir(run_id) / GROUP_CHECKPOINT
-        if not f.exists():
-            return None
-        try:
-            from safetensors import safe_open
-            with safe_open(str(f), framework="pt") as sf:
-                ids = json.loads(sf.metadata()["meta"]).get("run_ids")
-            return list(ids) if ids and ids[0] == run_id else None
-        except (SafetensorError, KeyError, ValueError, OSError, TypeError):
-            return None
+        meta = _read_meta(self.run_dir(run_id) / GROUP_CHECKPOINT)
+        ids = meta.get("run_ids") if isinstance(meta, dict) else None
+        return list(ids) if isinstance(ids, list) and ids and ids[0] == run_id else None
 
     def read_config(self, run_id: str) -> RunConfig:
         f = self.run_dir(run_id) / "config.json"
