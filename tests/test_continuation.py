@@ -303,3 +303,20 @@ def test_continuation_trace_experiment_end_to_end(tmp_path):
     computed = _cached_trace(store, c.cfg, [(0, 1)], **kw)
     assert not computed.empty
     pd.testing.assert_frame_equal(_cached_trace(store, c.cfg, [(0, 1)], **kw), computed, check_exact=True)
+    # a run trained again (same run id, other weights: here its files' recorded checksums change) is
+    # not served the old trace
+    calls = []
+    def counting(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    from softprior.train import train
+    res = train(c.cfg)
+    res.state_dict = {k: v + 1e-3 for k, v in res.state_dict.items()}
+    res.snapshots = [(st, {k: v + 1e-3 for k, v in w.items()}) for st, w in res.snapshots]
+    store.save_result(res)
+    cont.continuation_trace = counting
+    try:
+        again = _cached_trace(store, c.cfg, [(0, 1)], **kw)
+    finally:
+        cont.continuation_trace = orig
+    assert calls == [1] and not again["grad_norm"].equals(computed["grad_norm"])

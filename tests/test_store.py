@@ -308,7 +308,7 @@ def test_checkpoint_dict_is_a_snapshot():
     cfg = tiny_config(eval_every=4, checkpoint_every=10)
     ckpts = []
     full = train(cfg, on_checkpoint=ckpts.append)
-    assert [r["step"] for r in ckpts[0]["meta"]["metrics"]] == [4, 8]
+    assert [r["step"] for r in ckpts[0]["meta"]["metrics"][0]] == [4, 8]  # one list of rows per run (K = 1)
     assert train(cfg, resume=ckpts[0]).metrics == full.metrics
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -21,29 +22,34 @@ train_mod = importlib.import_module("softprior.train")
 
 @pytest.fixture
 def forward_calls(monkeypatch):
-    """Record (batch size, gate_pos, gate_content, inputs) of every forward call the training loop
-    makes (``train.model_forward``: the fast path or the readable model)."""
-    import importlib
-
-    train_mod = importlib.import_module("softprior.train")
+    """Record every forward the training loop makes through the fast path (``fastpath.fast_forward``,
+    one run: K = 1) as (batch size, gate_pos, gate_content, inputs, own gate_pos, own gate_content):
+    the gates applied and the model's own sigmoid(logit) at that moment, each averaged over layers
+    and heads (the tests' paths have one value per kind)."""
+    import softprior.fastpath as fp
     calls = []
-    orig = train_mod.model_forward
+    orig = fp.fast_forward
 
-    def spy(model, inputs, gate_pos=None, gate_content=None, positions=None):
-        calls.append((inputs.shape[0], gate_pos, gate_content, inputs.clone()))
-        return orig(model, inputs, gate_pos, gate_content, positions)
+    def spy(p, cfg, inputs, gate_pos, gate_content, positions):
+        x = inputs[0] if inputs.dim() == 3 else inputs  # training [K, B, T]; evaluation [B, T]
+        g = torch.sigmoid(p["gate_logits"][0].detach())  # as Runs.model_gates: [2, a, b] -> [L, H] per kind
+        own = [float(g[i].expand(1, cfg.n_layers, cfg.n_heads).contiguous().mean()) for i in (0, 1)]
+        calls.append((x.shape[0], float(gate_pos.detach().mean()), float(gate_content.detach().mean()), x.clone(),
+                      *own))
+        return orig(p, cfg, inputs, gate_pos, gate_content, positions)
 
-    monkeypatch.setattr(train_mod, "model_forward", spy)
+    monkeypatch.setattr(fp, "fast_forward", spy)
     return calls
+
+
+def applied(call):
+    """(gate_pos, gate_content) of a recorded forward, None where it is the model's own gate."""
+    return tuple(None if v == own else v for v, own in ((call[1], call[4]), (call[2], call[5])))
 
 
 def training_calls(calls, batch_size=16):
     """Training forwards use batch_size (16) rows; evaluation uses n_val (64)."""
     return [c for c in calls if c[0] == batch_size]
-
-
-def _float(g):
-    return None if g is None else float(g)
 
 
 # ------------------------------------------------------------------ determinism
@@ -144,9 +150,9 @@ def test_scheduled_gates_follow_the_schedule(forward_calls):
     r = train(cfg)
     tc = training_calls(forward_calls)
     assert len(tc) == 20
-    for i, (_, gp, gc, _) in enumerate(tc):
-        assert _float(gp) == pytest.approx(_fade_by_hand(i)), i
-        assert _float(gc) == pytest.approx(0.4 if i < 10 else 0.1), i
+    for i, (_, gp, gc, *_) in enumerate(tc):
+        assert gp == pytest.approx(_fade_by_hand(i)), i
+        assert gc == pytest.approx(0.4 if i < 10 else 0.1), i
     # logged at each evaluation: the gate of the last training step before it (step index = row step - 1)
     assert [row["step"] for row in r.metrics] == [5, 10, 15, 20]
     assert [row["g_pos"] for row in r.metrics] == pytest.approx([0.5, 0.1875, 0.0, 0.0])
@@ -154,13 +160,13 @@ def test_scheduled_gates_follow_the_schedule(forward_calls):
     # evaluation: "normal" uses the model's own gates, "zero" forces both to 0
     evals = [c for c in forward_calls if c[0] == cfg.n_val]
     assert len(evals) == 2 * len(r.metrics)
-    assert {(_float(c[1]), _float(c[2])) for c in evals} == {(None, None), (0.0, 0.0)}
+    assert {applied(c) for c in evals} == {(None, None), (0.0, 0.0)}
 
 
 def test_linear_path_reaches_zero_on_last_step(forward_calls):
     r = train(tiny_config(path="linear0.5->0"))
     tc = training_calls(forward_calls)
-    got = [_float(c[1]) for c in tc]
+    got = [c[1] for c in tc]
     assert got == pytest.approx([0.5 * (1 - i / 19) for i in range(20)])
     assert r.metrics[-1]["g_pos"] == 0.0
 
@@ -182,20 +188,20 @@ def test_unforced_logs_learned_gate_values():
 
 def test_prior_dropout_drops_some_steps(forward_calls):
     r = train(tiny_config(path="prior_dropout0.5", seed=0))
-    gates = [(_float(c[1]), _float(c[2])) for c in training_calls(forward_calls)]
+    gates = [applied(c) for c in training_calls(forward_calls)]
     assert len(gates) == 20
     assert set(gates) == {(None, None), (0.0, 0.0)}  # learned, or dropped to 0 (both gates together)
     assert r.summary["path"] == "prior_dropout0.5"
     # the dropout draws are seeded: the same run repeats them
     forward_calls.clear()
     train(tiny_config(path="prior_dropout0.5", seed=0))
-    assert [(_float(c[1]), _float(c[2])) for c in training_calls(forward_calls)] == gates
+    assert [applied(c) for c in training_calls(forward_calls)] == gates
 
 
 def test_prior_dropout_on_scheduled_path(forward_calls):
     path = get_path("forced_const0.5").model_copy(update={"name": "fc_drop", "prior_dropout": 0.5})
     train(tiny_config(path=path))
-    gates = {(_float(c[1]), _float(c[2])) for c in training_calls(forward_calls)}
+    gates = {(c[1], c[2]) for c in training_calls(forward_calls)}
     assert gates == {(0.5, 0.5), (0.0, 0.0)}
 
 
@@ -204,8 +210,7 @@ def test_dual_loss_optimises_both_conditions(forward_calls):
     tc = training_calls(forward_calls)
     assert len(tc) == 40  # two forwards per step
     for k in range(20):
-        assert {(_float(tc[2 * k][1]), _float(tc[2 * k][2])), (_float(tc[2 * k + 1][1]), _float(tc[2 * k + 1][2]))} \
-            == {(None, None), (0.0, 0.0)}
+        assert {applied(tc[2 * k]), applied(tc[2 * k + 1])} == {(None, None), (0.0, 0.0)}
         assert torch.equal(tc[2 * k][3], tc[2 * k + 1][3])  # on the same batch
     plain = train(tiny_config(path="unforced"))
     assert r.metrics[0]["train_loss"] > plain.metrics[0]["train_loss"]  # sum of two losses
@@ -218,8 +223,8 @@ def grad_norms(monkeypatch):
     norms = []
     orig = train_mod.make_optimizer
 
-    def make(model, cfg):
-        opt = orig(model, cfg)
+    def make(named_params, cfg):
+        opt = orig(named_params, cfg)
         step = opt.step
 
         def recording_step(*a, **k):
@@ -315,3 +320,24 @@ def test_run_id_ignores_path_description():
     a = tiny_config(path=PathConfig(name="unforced"))
     b = tiny_config(path=PathConfig(name="unforced", description="reworded help text"))
     assert a.run_id == b.run_id
+
+
+def test_clip_per_run_scales_each_run_by_its_own_global_norm():
+    from softprior.train import clip_per_run_
+    # run 0: gradients (3, 4) and (12,) -> global norm sqrt(9 + 16 + 144) = 13 > 1: scaled by 1/13;
+    # run 1: (0.3, 0.4) and (0,) -> norm 0.5 <= 1: unchanged; run 2 (max inf) never clipped
+    a = torch.tensor([[3.0, 4.0], [0.3, 0.4], [30.0, 40.0]])
+    b = torch.tensor([[12.0], [0.0], [1.0]])
+    clip_per_run_([a, b], torch.tensor([1.0, 1.0, math.inf]))
+    s = 1 / (13 + 1e-6)
+    assert torch.allclose(a, torch.tensor([[3 * s, 4 * s], [0.3, 0.4], [30.0, 40.0]]))
+    assert torch.allclose(b, torch.tensor([[12 * s], [0.0], [1.0]]))
+
+
+def test_a_single_run_is_the_grouped_loop_with_one_run():
+    from softprior.engine import train_group
+    for path in ("fade600->0", "dual_loss", "prior_dropout"):
+        cfg = tiny_config(path=path, steps=12)
+        a, (b,) = train(cfg), train_group([cfg])
+        assert a.metrics == b.metrics
+        assert state_dicts_equal(a.state_dict, b.state_dict)

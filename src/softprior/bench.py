@@ -50,26 +50,10 @@ def train_step_flops(cfg) -> float:
 
 
 def _our_step(cfg):
-    from .fastpath import model_forward
-    from .tasks import make_task
-    from .train import build_model, make_optimizer
-    model = build_model(cfg)
-    opt = make_optimizer(model, cfg)
-    task = make_task(cfg.task)
-    gen = torch.Generator().manual_seed(0)
-    pos = task.loss_positions(cfg.model.n_ctx)
-    params = list(model.parameters())
-    for p in params:
-        p.grad = torch.zeros_like(p)
-
-    def step():  # exactly the body of train.train's loop for a learned-gate run
-        b = task.sample(cfg.batch_size, cfg.model.n_ctx, gen)
-        loss = task.loss(model_forward(model, b.inputs, None, None, pos), b.targets)
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
-        opt.step()
-    return step
+    """One training step of ``train.train`` (its ``Runs.step``, K = 1), as a callable."""
+    from .train import Runs
+    runs = Runs([cfg])
+    return lambda: runs.step(0)
 
 
 def _time(step, n):

@@ -264,7 +264,8 @@ def _jobs(cfgs: list[RunConfig], group_size: int, kept: list[list[str]] = ()) ->
         return jobs + [[c] for c in cfgs]
     from .engine import group_key
     buckets: dict[str, list[RunConfig]] = {}
-    jobs += [[c] for c in cfgs if c.snapshot_every]  # snapshots are taken by the single-run trainer
+    # snapshot runs train alone: a single run's checkpoint keeps its snapshots so far, a group's does not
+    jobs += [[c] for c in cfgs if c.snapshot_every]
     for c in (c for c in cfgs if not c.snapshot_every):
         buckets.setdefault(group_key(c), []).append(c)
     for b in buckets.values():

@@ -1,4 +1,7 @@
-"""The training loop: one run config in, one result out (pure; the run store does the I/O).
+"""The training loop: run configs in, results out (pure; the run store does the I/O).
+
+One loop and one step for a single run and for a group (``train_runs``, ``Runs``): ``train`` is
+the loop with K = 1, ``engine.train_group`` the same loop for K runs that may share a group.
 
 Evaluation semantics (SPEC section 1):
 - "normal": the model's own gates, sigmoid(gate logit). For learned gates that is the trained
@@ -14,19 +17,23 @@ LayerNorm, the prior tables, the gate logits or positional-scheme parameters), n
 prior tables would otherwise be pulled to zero.
 
 Determinism: initialisation uses a forked global RNG seeded with the run seed; data, prior-dropout
-and validation use their own ``torch.Generator`` objects. Same config + seed + machine -> same bits.
+and validation use their own ``torch.Generator`` objects. Same config + seed + group size + machine
+-> same bits (the batched kernels of a group of K round differently from K = 1 in the last bits).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.func import functional_call, stack_module_state, vmap
 
+from . import fastpath
 from .config import RunConfig
 from .fastpath import model_forward
 from .model import SoftPriorTransformer, build_model  # noqa: F401 - build_model: re-exported (train.build_model)
@@ -36,7 +43,7 @@ from .provenance import provenance
 from .runtime import training_settings
 from .tasks import Task, make_task
 
-__all__ = ["train", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator", "prior_dropped",
+__all__ = ["train", "train_runs", "Runs", "clip_per_run_", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator", "prior_dropped",
            "step_gates", "with_dual_loss", "metrics_row", "check_finite"]
 
 
@@ -75,8 +82,9 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model, cfg: RunConfig) -> AdamW:
-    return AdamW(param_groups(model.named_parameters(), cfg.weight_decay), lr=cfg.lr)
+def make_optimizer(named_params, cfg: RunConfig) -> AdamW:
+    """AdamW over (name, parameter) pairs (``param_groups``), at the config's learning rate."""
+    return AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr)
 
 
 @torch.no_grad()
@@ -89,14 +97,8 @@ def evaluate(model: SoftPriorTransformer, task: Task, inputs, targets, gate_pos=
     return {task.metric: float(task.score(out, targets)), "loss": float(task.loss(out, targets))}
 
 
-def _gate_means(model) -> tuple[float, float]:
-    """The model's own (position, content) gates, each averaged over layers and heads."""
-    g = torch.sigmoid(model.gate_logits.detach())
-    return float(g[0].mean()), float(g[1].mean())
-
-
 # ------------------------------------------------------------------- the per-step rules
-# One definition each, used by the single-run loop below and by the grouped engine (engine.py).
+# One definition each, used by the training loop below (``Runs``; one run or a group).
 def prior_dropped(path: PathConfig, drop_gen: torch.Generator) -> bool:
     """Prior dropout (SPEC section 3): whether this step trains with both gates at 0. One draw from
     the run's own dropout generator per step on paths with dropout, none on the others."""
@@ -139,10 +141,144 @@ def metrics_row(step: int, train_loss: float, applied: tuple, model_gates: tuple
             "model_g_pos": model_gates[0], "model_g_content": model_gates[1]}
 
 
+class Runs:
+    """K runs in lockstep (K = 1: one run): their weights stacked on a leading run dimension
+    (``torch.func.stack_module_state``), one AdamW over the stacked tensors, each run's own
+    generators, and the one training step (``step``) and evaluation (``evaluate``) that ``train``
+    and ``engine.train_group`` both use.
+
+    Forward: the soft-prior model without a static positional scheme goes through
+    ``fastpath.fast_forward``, written for the run dimension (a test holds it to the readable
+    ``model.py``); the static schemes apply the readable model with ``vmap(functional_call(...))``.
+    What stays per run (the per-step rules above): the data (each run's own generator), the gates
+    (``step_gates``, ``prior_dropped``; a learned gate is the run's own sigmoid(logit)), the dual
+    loss (a per-run 0/1 weight) and gradient clipping (the global norm of the run's own slice of
+    every gradient). AdamW is elementwise, so one optimiser over stacked tensors is K optimisers.
+
+    device: where the stacked weights and batches live (default ``$SOFTPRIOR_DEVICE`` or cpu);
+    data is drawn on the CPU from each run's generator, so a run's numbers do not depend on it."""
+
+    def __init__(self, cfgs: list[RunConfig], init_states: list | None = None, device=None):
+        self.dev = dev = torch.device(device or os.environ.get("SOFTPRIOR_DEVICE") or "cpu")
+        self.cfgs, self.K, c0 = cfgs, len(cfgs), cfgs[0]
+        self.task = task = make_task(c0.task)
+        self.T, self.steps = c0.model.n_ctx, c0.total_steps
+        L, H = c0.model.n_layers, c0.model.n_heads
+        models = [build_model(c) for c in cfgs]
+        for m, s in zip(models, init_states or []):
+            if s is not None:
+                m.load_state_dict(s)
+        self.base = models[0].to(dev)
+        stacked, _ = stack_module_state(models)
+        self.params = {k: v.detach().to(dev).requires_grad_(True) for k, v in stacked.items()}
+        self.opt = make_optimizer(self.params.items(), c0)
+        self.clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs], device=dev)
+        self.data_gens = [seeded_generator(c.seed, 0) for c in cfgs]
+        self.drop_gens = [seeded_generator(c.seed, 1) for c in cfgs]
+        self.gens = {**{f"data.{k}": g for k, g in enumerate(self.data_gens)},
+                     **{f"drop.{k}": g for k, g in enumerate(self.drop_gens)}}
+        val = c0.validation_batch(task)
+        self.val_inputs, self.val_targets = val.inputs.to(dev), val.targets.to(dev)
+        self.loss_pos = loss_pos = task.loss_positions(self.T)
+        self.dual = torch.tensor([float(c.path.dual_loss) for c in cfgs], device=dev)
+        self.zeros = torch.zeros(self.K, L, H, device=dev)
+        self._LH = (L, H)
+        if fastpath.supports(c0.model):  # hand-fused and run-stacked already (fastpath.py)
+            def batched(p, inputs, gp, gc):
+                return fastpath.fast_forward(p, c0.model, inputs, gp, gc, loss_pos)
+            self.forward = self.forward_val = batched
+        else:  # static positional schemes: the readable model, vmapped over the runs
+            def fwd(p, inputs, gp, gc):
+                return functional_call(self.base, p, (inputs, gp, gc), {"positions": loss_pos})
+            self.forward = vmap(fwd, in_dims=(0, 0, 0, 0))
+            self.forward_val = vmap(fwd, in_dims=(0, None, 0, 0))
+        self.applied: list[tuple] = []
+        self.gates_applied = (self.zeros, self.zeros)
+
+    def model_gates(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each run's own (position, content) gates [K, L, H], as ``SoftPriorTransformer.gates``
+        (a model without a prior has gates 0)."""
+        if not self.cfgs[0].model.prior:
+            return self.zeros, self.zeros
+        L, H = self._LH
+        g = torch.sigmoid(self.params["gate_logits"])  # [K, 2, a, b]
+        return g[:, 0].expand(self.K, L, H), g[:, 1].expand(self.K, L, H)
+
+    def _gate_tensor(self, applied, i, own):
+        """[K, L, H]: run k's own gate where kind i is learned this step, else its forced value."""
+        L, H = self._LH
+        learned = torch.tensor([a[i] is None for a in applied], device=self.dev)
+        forced = torch.tensor([0.0 if a[i] is None else a[i] for a in applied]).to(self.dev)
+        return torch.where(learned[:, None, None], own, forced[:, None, None].expand(self.K, L, H))
+
+    def step(self, step: int) -> torch.Tensor:
+        """One training step of every run (0-based ``step``); returns the per-run loss [K], detached."""
+        task, K = self.task, self.K
+        self.applied = [step_gates(c.path, step, self.steps, prior_dropped(c.path, g))
+                        for c, g in zip(self.cfgs, self.drop_gens)]
+        mp, mc = self.model_gates()
+        gp, gc = self._gate_tensor(self.applied, 0, mp), self._gate_tensor(self.applied, 1, mc)
+        self.gates_applied = (gp, gc)
+        batches = [task.sample(self.cfgs[0].batch_size, self.T, g) for g in self.data_gens]
+        inputs = torch.stack([b.inputs for b in batches]).to(self.dev)
+        targets = torch.stack([b.targets for b in batches]).to(self.dev)
+        loss_k = vmap(task.loss)(self.forward(self.params, inputs, gp, gc), targets)
+        if bool(self.dual.any()):
+            loss_k = with_dual_loss(
+                loss_k, lambda: vmap(task.loss)(self.forward(self.params, inputs, self.zeros, self.zeros), targets),
+                self.dual)
+        self.opt.zero_grad(set_to_none=False)
+        loss_k.sum().backward()
+        clip_per_run_([p.grad for p in self.params.values() if p.grad is not None], self.clip)
+        self.opt.step()
+        return loss_k.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> list[tuple[dict, dict]]:
+        """Per run, ({metric, loss} with the run's own gates, the same with both gates 0) on the
+        validation set (``evaluate``'s semantics)."""
+        task, vt = self.task, self.val_targets
+        mp, mc = self.model_gates()
+        out = {}
+        for name, (gp, gc) in (("normal", (mp, mc)), ("zero", (self.zeros, self.zeros))):
+            o = self.forward_val(self.params, self.val_inputs, gp, gc)
+            out[name] = (vmap(task.score, in_dims=(0, None))(o, vt).tolist(),
+                         vmap(task.loss, in_dims=(0, None))(o, vt).tolist())
+        return [tuple({task.metric: out[n][0][k], "loss": out[n][1][k]} for n in ("normal", "zero"))
+                for k in range(self.K)]
+
+    def logged_gates(self, k: int) -> tuple:
+        """Run k's applied gates of the last step as logged: forced ones as the float32 value the run
+        trained with, None for a learned one (``metrics_row``)."""
+        return tuple(None if self.applied[k][i] is None else float(g[k].detach().mean())
+                     for i, g in enumerate(self.gates_applied))
+
+    @torch.no_grad()
+    def own_gate_means(self) -> list[tuple[float, float]]:
+        """Each run's own (position, content) gates, averaged over layers and heads."""
+        g = torch.sigmoid(self.params["gate_logits"]).reshape(self.K, 2, -1).mean(-1).tolist()
+        return [(a, b) for a, b in g]
+
+    def weights(self, k: int) -> dict[str, torch.Tensor]:
+        """Run k's weights, on the CPU (a copy)."""
+        return {n: p[k].detach().to("cpu", copy=True) for n, p in self.params.items()}
+
+
+def clip_per_run_(grads: list[torch.Tensor], max_norm: torch.Tensor) -> None:
+    """Gradient clipping per run (Pascanu et al. 2013, as ``torch.nn.utils.clip_grad_norm_``): each
+    run's gradients, run-stacked [K, ...], are scaled by min(1, max_norm_k / (||g_k|| + 1e-6)), where
+    ||g_k|| is the global 2-norm of run k's slice of every gradient; ``max_norm`` [K] (inf: no
+    clipping). In place."""
+    K = max_norm.shape[0]
+    norms = torch.stack([g.reshape(K, -1).pow(2).sum(1) for g in grads]).sum(0).sqrt()  # [K]
+    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, [scale.view(K, *([1] * (g.dim() - 1))) for g in grads])
+
+
 def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
           resume: dict | None = None, on_checkpoint: Callable[[dict], None] | None = None,
-          progress: bool = False, checkpoint_seconds: float | None = None) -> RunResult:
-    """Train one run.
+          progress: bool = False, checkpoint_seconds: float | None = None, device=None) -> RunResult:
+    """Train one run: ``train_runs`` with K = 1 (the grouped engine's own loop and step).
 
     init_state: weights to start from (post hoc continuation from a parent's final checkpoint).
     resume: a checkpoint dict previously passed to ``on_checkpoint``; training continues from it
@@ -153,87 +289,80 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
     Runs inside ``runtime.training_settings()``: flush-to-zero is on while training and restored
     afterwards (the caller's float behaviour is unchanged by a run).
     """
+    return train_runs([cfg], [init_state], progress=progress, device=device, resume=resume,
+                      on_checkpoint=on_checkpoint, checkpoint_seconds=checkpoint_seconds)[0]
+
+
+def train_runs(cfgs: list[RunConfig], init_states: list | None = None, *, progress: bool = False, device=None,
+               resume: dict | None = None, on_checkpoint: Callable[[dict], None] | None = None,
+               checkpoint_seconds: float | None = None) -> list[RunResult]:
+    """The training loop, for one run or a group (``engine.train_group`` checks that the configs
+    may share one): ``Runs.step`` every step, ``Runs.evaluate`` every ``eval_every`` steps and at
+    the end, snapshots every ``snapshot_every`` steps, checkpoints as ``train`` describes (the
+    checkpoint's ``meta["run_ids"]`` names the runs in order; resuming another group's is refused)."""
     with training_settings():
-        return _train(cfg, init_state=init_state, resume=resume, on_checkpoint=on_checkpoint, progress=progress,
-                      checkpoint_seconds=checkpoint_seconds)
+        return _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, checkpoint_seconds)
 
 
-def _train(cfg: RunConfig, *, init_state, resume, on_checkpoint, progress, checkpoint_seconds) -> RunResult:
+def _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, checkpoint_seconds) -> list[RunResult]:
     t0 = time.perf_counter()
-    task = make_task(cfg.task)
-    T, steps = cfg.model.n_ctx, cfg.total_steps
-    model = build_model(cfg)
-    if init_state is not None:
-        model.load_state_dict(init_state)
-    opt = make_optimizer(model, cfg)
-    params = [p for p in model.parameters()]
-    for p in params:  # zero (not None) grads for unused params, e.g. a forced gate's logit: AdamW then
-        p.grad = torch.zeros_like(p)  # treats them exactly as the grouped engine does (engine.py)
-    data_gen, drop_gen = seeded_generator(cfg.seed, 0), seeded_generator(cfg.seed, 1)
-    val = cfg.validation_batch(task)
-    loss_pos = task.loss_positions(T)
-    metrics: list[dict] = []
-    snapshots: list[tuple[int, dict]] = []
-    start = 0
-    loss_sum = torch.zeros(())
-    n_in_window = 0
-    gens = {"data": data_gen, "drop": drop_gen}
+    runs = Runs(cfgs, init_states, device)
+    K, c0, task, steps = runs.K, cfgs[0], runs.task, runs.steps
+    run_ids = [c.run_id for c in cfgs]
+    metrics: list[list[dict]] = [[] for _ in cfgs]
+    snapshots: list[list[tuple[int, dict]]] = [[] for _ in cfgs]
+    loss_sum, n_in_window, start = torch.zeros(K, device=runs.dev), 0, 0
     if resume is not None:
-        start, metrics, loss_sum, n_in_window = restore_checkpoint(resume, model.load_state_dict, opt, gens)
-        loss_sum = loss_sum.reshape(())
-        snapshots = list(resume.get("snapshots", []))
-    clock = CheckpointClock(cfg.checkpoint_every, checkpoint_seconds) if on_checkpoint is not None else None
-
-    def _weights():
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    if cfg.snapshot_every and start == 0:
-        snapshots.append((0, _weights()))
-
+        if resume["meta"].get("run_ids") != run_ids:
+            raise ValueError("this checkpoint belongs to another group of runs (or is in an older format): "
+                             f"{resume['meta'].get('run_ids')} != {run_ids}")
+        with torch.no_grad():
+            start, metrics, loss_sum, n_in_window = restore_checkpoint(
+                resume, lambda w: [runs.params[n].copy_(w[n]) for n in runs.params], runs.opt, runs.gens)
+        loss_sum = loss_sum.to(runs.dev)
+        if K == 1:
+            snapshots = [list(resume.get("snapshots", []))]
+    clock = CheckpointClock(c0.checkpoint_every, checkpoint_seconds) if on_checkpoint is not None else None
+    if c0.snapshot_every and start == 0:
+        snapshots = [[(0, runs.weights(k))] for k in range(K)]
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=steps, initial=start, desc=f"{cfg.path.name} s{cfg.seed}", unit="step", leave=False)
-    path = cfg.path
+        desc = f"{c0.path.name} s{c0.seed}" if K == 1 else f"group of {K}"
+        bar = tqdm(total=steps, initial=start, desc=desc, unit="step", leave=False)
     for step in range(start, steps):
-        gp, gc = step_gates(path, step, steps, prior_dropped(path, drop_gen))
-        batch = task.sample(cfg.batch_size, T, data_gen)
-        loss = task.loss(model_forward(model, batch.inputs, gp, gc, loss_pos), batch.targets)
-        if path.dual_loss:
-            loss = with_dual_loss(
-                loss, lambda: task.loss(model_forward(model, batch.inputs, 0.0, 0.0, loss_pos), batch.targets))
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        if cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
-        opt.step()
-        loss_sum += loss.detach()
+        loss_sum += runs.step(step)
         n_in_window += 1
         done = step + 1
-        if done % cfg.eval_every == 0 or done == steps:
-            train_loss = float(loss_sum) / n_in_window
-            check_finite(train_loss, done, cfg.run_id)
-            normal = evaluate(model, task, val.inputs, val.targets)
-            zero = evaluate(model, task, val.inputs, val.targets, 0.0, 0.0)
-            row = metrics_row(done, train_loss, (gp, gc), _gate_means(model), normal, zero)
-            metrics.append(row)
-            loss_sum, n_in_window = torch.zeros(()), 0
-            if bar is not None:
+        if done % c0.eval_every == 0 or done == steps:
+            train_loss = (loss_sum / n_in_window).tolist()
+            evals, own = runs.evaluate(), runs.own_gate_means()
+            for k, c in enumerate(cfgs):
+                check_finite(train_loss[k], done, c.run_id)
+                metrics[k].append(metrics_row(done, train_loss[k], runs.logged_gates(k), own[k], *evals[k]))
+            loss_sum, n_in_window = torch.zeros(K, device=runs.dev), 0
+            if bar is not None and K == 1:
+                row = metrics[0][-1]
                 bar.set_postfix(normal=f"{row['normal_' + task.metric]:.3f}", zero=f"{row['zero_' + task.metric]:.3f}")
-        if cfg.snapshot_every and done % cfg.snapshot_every == 0:
-            snapshots.append((done, _weights()))
+        if c0.snapshot_every and done % c0.snapshot_every == 0:
+            for k in range(K):
+                snapshots[k].append((done, runs.weights(k)))
         if clock is not None and clock.due(done, steps):
-            ck = checkpoint(done, model.state_dict(), opt, gens, metrics, loss_sum, n_in_window)
-            ck["snapshots"] = list(snapshots)
+            ck = checkpoint(done, runs.params, runs.opt, runs.gens, metrics, loss_sum, n_in_window)
+            ck["meta"]["run_ids"] = run_ids
+            if K == 1:
+                ck["snapshots"] = list(snapshots[0])
             on_checkpoint(ck)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
 
-    summary = run_summary(cfg, task, metrics[-1], steps, round(time.perf_counter() - t0, 3), model.n_params(),
-                          **({"resumed_at": start} if start else {}))
-    return RunResult(cfg, summary, metrics, _weights(), snapshots)
+    seconds = round(time.perf_counter() - t0, 3)
+    n_params = runs.base.n_params()
+    return [RunResult(c, run_summary(c, task, metrics[k][-1], steps, seconds, n_params, group_size=K,
+                                     **({"resumed_at": start} if start else {})),
+                      metrics[k], runs.weights(k), snapshots[k]) for k, c in enumerate(cfgs)]
 
 
 def run_summary(cfg: RunConfig, task: Task, last: dict, steps: int, seconds: float, n_params: int,

@@ -141,7 +141,8 @@ _TRACE_SOURCES = ("analysis/continuation.py", "analysis/__init__.py", "model.py"
 
 def _cached_trace(store, cfg, heads, **kw):
     """``continuation.continuation_trace`` of a stored run, cached in ``STORE/analysis_cache/`` (one
-    CSV per run, written atomically by the store's own writer) under a key of the run, the circuit,
+    CSV per run, written atomically by the store's own writer) under a key of the run and its files'
+    checksums, the circuit,
     the settings, torch's version and the source of ``_TRACE_SOURCES``: a second report of the same
     store reads the numbers back exactly (round-trip floats) instead of recomputing them (~30 s per
     large-model snapshot). The ``seconds`` column keeps the time the measurement took when it was made."""
@@ -153,8 +154,11 @@ def _cached_trace(store, cfg, heads, **kw):
     from ..store.files import _atomic_write_bytes
     from .continuation import continuation_trace
     root = Path(__file__).resolve().parents[1]
+    # the run's files as recorded when it was saved (their SHA-256): a retrained run (another engine,
+    # ``store verify --repair``) keeps its run id but not its weights, so it misses the cache
     h = hashlib.sha256(json.dumps({"run": cfg.run_id, "heads": [list(map(int, x)) for x in heads], **kw,
-                                   "torch": torch.__version__}, sort_keys=True).encode())
+                                   "torch": torch.__version__, "files": store.file_checksums(cfg.run_id)},
+                                  sort_keys=True).encode())
     for name in _TRACE_SOURCES:
         h.update((root / name).read_bytes())
     f = Path(store.root) / "analysis_cache" / f"continuation_{cfg.run_id[:16]}_{h.hexdigest()[:16]}.csv"

@@ -125,6 +125,8 @@ class RunFiles:
 
     def load_checkpoint(self, run_id: str) -> dict | None:
         ck = _read_checkpoint(self.run_dir(run_id) / "checkpoint.safetensors")
+        if ck is not None and ck["meta"].get("run_ids") != [run_id]:
+            return None  # an older format (before train.train was the K = 1 loop): the run restarts
         if ck is not None:
             try:
                 d = self.run_dir(run_id)
