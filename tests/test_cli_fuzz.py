@@ -133,7 +133,7 @@ def malformed_command(draw, run_id: str, scratch: Path):
     if kind == "train":
         opt = draw(st.sampled_from(sorted(TRAIN_OPTIONS)))
         v = draw(TRAIN_OPTIONS[opt])
-        named = v.split("=", 1)[0] if opt == "--task-opt" and "=" in v else v
+        named = v.split("=", 1)[0].strip() if opt == "--task-opt" and "=" in v else v  # keys are stripped
         return ["train", "--steps", "1", "--json", "--no-progress", f"{opt}={v}"], named, ()
     if kind == "eval":
         which = draw(st.sampled_from(["--gates", "--length", "run_id"]))

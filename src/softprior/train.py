@@ -171,6 +171,8 @@ class Runs:
         self.base = models[0].to(dev)
         stacked, _ = stack_module_state(models)
         self.params = {k: v.detach().to(dev).requires_grad_(True) for k, v in stacked.items()}
+        for p in self.params.values():  # a zero gradient (not None) for a parameter a step leaves out (a
+            p.grad = torch.zeros_like(p)  # forced or dropped gate's logit): AdamW counts every step for every tensor
         self.opt = make_optimizer(self.params.items(), c0)
         self.clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs], device=dev)
         self.data_gens = [seeded_generator(c.seed, 0) for c in cfgs]
@@ -187,11 +189,15 @@ class Runs:
             def batched(p, inputs, gp, gc):
                 return fastpath.fast_forward(p, c0.model, inputs, gp, gc, loss_pos)
             self.forward = self.forward_val = batched
+            self.shared_inputs = self.K == 1
         else:  # static positional schemes: the readable model, vmapped over the runs
             def fwd(p, inputs, gp, gc):
                 return functional_call(self.base, p, (inputs, gp, gc), {"positions": loss_pos})
             self.forward = vmap(fwd, in_dims=(0, 0, 0, 0))
             self.forward_val = vmap(fwd, in_dims=(0, None, 0, 0))
+            self.shared_inputs = False
+        # the per-run loss [K]: vmapped over the runs; for one run the plain scalar loss (fewer ops)
+        self.loss = (lambda out, t: task.loss(out[0], t[0])) if self.K == 1 else vmap(task.loss)
         self.applied: list[tuple] = []
         self.gates_applied = (self.zeros, self.zeros)
 
@@ -207,31 +213,37 @@ class Runs:
     def _gate_tensor(self, applied, i, own):
         """[K, L, H]: run k's own gate where kind i is learned this step, else its forced value."""
         L, H = self._LH
+        if self.K == 1:  # one run: its own gate (a view) or the forced value, without a select (fewer ops)
+            v = applied[0][i]
+            return own if v is None else torch.tensor(v, dtype=own.dtype, device=self.dev).reshape(1, 1, 1).expand(1, L, H)
         learned = torch.tensor([a[i] is None for a in applied], device=self.dev)
         forced = torch.tensor([0.0 if a[i] is None else a[i] for a in applied]).to(self.dev)
         return torch.where(learned[:, None, None], own, forced[:, None, None].expand(self.K, L, H))
 
     def step(self, step: int) -> torch.Tensor:
         """One training step of every run (0-based ``step``); returns the per-run loss [K], detached."""
-        task, K = self.task, self.K
+        task = self.task
         self.applied = [step_gates(c.path, step, self.steps, prior_dropped(c.path, g))
                         for c, g in zip(self.cfgs, self.drop_gens)]
         mp, mc = self.model_gates()
         gp, gc = self._gate_tensor(self.applied, 0, mp), self._gate_tensor(self.applied, 1, mc)
         self.gates_applied = (gp, gc)
         batches = [task.sample(self.cfgs[0].batch_size, self.T, g) for g in self.data_gens]
-        inputs = torch.stack([b.inputs for b in batches]).to(self.dev)
         targets = torch.stack([b.targets for b in batches]).to(self.dev)
-        loss_k = vmap(task.loss)(self.forward(self.params, inputs, gp, gc), targets)
+        if self.shared_inputs:  # K = 1 on the fast path: the unstacked batch (same bits, fewer copies)
+            inputs = batches[0].inputs.to(self.dev)
+        else:
+            inputs = torch.stack([b.inputs for b in batches]).to(self.dev)
+        loss_k = self.loss(self.forward(self.params, inputs, gp, gc), targets)
         if bool(self.dual.any()):
             loss_k = with_dual_loss(
-                loss_k, lambda: vmap(task.loss)(self.forward(self.params, inputs, self.zeros, self.zeros), targets),
+                loss_k, lambda: self.loss(self.forward(self.params, inputs, self.zeros, self.zeros), targets),
                 self.dual)
         self.opt.zero_grad(set_to_none=False)
-        loss_k.sum().backward()
-        clip_per_run_([p.grad for p in self.params.values() if p.grad is not None], self.clip)
+        (loss_k.sum() if loss_k.dim() else loss_k).backward()
+        clip_per_run_([p.grad for p in self.params.values()], self.clip)
         self.opt.step()
-        return loss_k.detach()
+        return loss_k.detach().reshape(self.K)
 
     @torch.no_grad()
     def evaluate(self) -> list[tuple[dict, dict]]:
