@@ -59,7 +59,8 @@ REFERENCE = {
 
 # ``train.train`` is now ``train.train_runs`` with K = 1 (issue 15, "one training step"), so a single
 # run takes the grouped engine's clipping, dual-loss graph and evaluation reductions, and its bits
-# changed once: these digests were recorded with that change (the group digests above did not move).
+# changed once: these digests were recorded at 1b0743b, with that change (the group digests above did
+# not move).
 # Measured before re-recording (30 steps, both presets, three tasks, five paths, old vs new code):
 # with clipping off the final weights were bit-identical except on the dual-loss path (autograd
 # accumulates the two losses' gradients in another order); with clipping on they differ wherever

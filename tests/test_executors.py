@@ -245,6 +245,38 @@ def test_auto_group_size_is_the_smallest_near_best_k_and_leaves_every_worker_a_g
     assert choose_group_size(1000, 1, {1: 5.0, 2: 9.0}) == 1  # where grouping does not pay, no groups
 
 
+def test_auto_group_size_is_chosen_per_model_size(monkeypatch):
+    # each model size gets its own K from its own table: here the base model groups (K = 4 is within
+    # 5% of the best) and the large model trains alone (grouping it only costs)
+    import softprior.executors as ex
+    from softprior.config import make_run_config
+    monkeypatch.setattr(ex, "GROUP_SCALING_BY_MODEL", {"base": {1: 10.0, 4: 6.2, 8: 6.0},
+                                                      "large": {1: 45.0, 2: 48.0, 6: 47.0}})
+    monkeypatch.setattr(ex, "GROUP_SCALING", {1: 10.0, 4: 6.2, 8: 6.0})
+    base = [make_run_config("assoc_recall", "unforced", s, steps=40, calibrated=False) for s in range(16)]
+    large = [make_run_config("assoc_recall", "unforced", s, model="large", steps=40, calibrated=False)
+             for s in range(4)]
+    sizes = ex.group_sizes(base + large, "auto", 2)
+    assert sizes == {"base": 4, "large": 1}
+    jobs = ex._jobs(base + large, sizes)
+    assert sorted(len(j) for j in jobs if j[0].model.n_layers == 2) == [4, 4, 4, 4]
+    assert sorted(len(j) for j in jobs if j[0].model.n_layers == 4) == [1, 1, 1, 1]
+    assert ex.group_sizes(base + large, 3, 2) == {"base": 3, "large": 3}  # a fixed K is every size's
+
+
+def test_saved_group_scaling_is_per_model_size_and_read_first(tmp_path, monkeypatch):
+    import softprior.executors as ex
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert ex.load_group_scaling() is None and ex.group_scaling("large") == ex.GROUP_SCALING_BY_MODEL["large"]
+    ex.save_group_scaling({1: 9.0, 2: 5.0}, "base")
+    ex.save_group_scaling({1: 40.0, 2: 30.0}, "large")  # keeps the base table beside it
+    assert ex.load_group_scaling() == {1: 9.0, 2: 5.0} and ex.load_group_scaling("large") == {1: 40.0, 2: 30.0}
+    assert ex.group_scaling("large") == {1: 40.0, 2: 30.0}
+    assert ex.group_scaling("L3d96") == {1: 9.0, 2: 5.0}  # a size without a table: the base one
+    (tmp_path / "softprior" / "group_scaling.json").write_text("{not json")
+    assert ex.load_group_scaling("large") is None  # unreadable: the built-in tables
+
+
 def test_execute_with_auto_group_trains_every_run(tmp_path):
     from softprior.config import make_run_config
     from softprior.store import RunStore

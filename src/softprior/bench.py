@@ -109,24 +109,26 @@ def sweep_bench(n_runs: int, reference_ms: float, steps: int = 3600, workers: in
             "sweep_ratio": round(wall / ref_s, 4)}
 
 
-def measure_group_scaling(ks=(1, 2, 4, 8, 16), steps: int = 30, threads: int = 1, log=print) -> dict[int, float]:
-    """ms per run-step of ``engine.train_group`` for a base-model group of each K in ``ks``, at ``threads``
-    torch threads (a sweep worker's setting): the table ``--group auto`` chooses from
-    (``executors.choose_group_size``)."""
+def measure_group_scaling(ks=(1, 2, 4, 8, 16), steps: int = 30, threads: int = 1, log=print,
+                          model: str = "base") -> dict[int, float]:
+    """ms per run-step of ``engine.train_group`` for a group of each K in ``ks`` of ``model`` (a
+    preset), at ``threads`` torch threads (a sweep worker's setting): the table ``--group auto``
+    chooses from for that model size (``executors.group_sizes``)."""
     from .config import make_run_config
     from .engine import train_group
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        train_group([make_run_config("assoc_recall", "unforced", 0, steps=5, eval_every=10 ** 6, n_val=64)])  # warm-up
+        train_group([make_run_config("assoc_recall", "unforced", 0, steps=5, eval_every=10 ** 6, n_val=64,
+                                     model=model)])  # warm-up
         out = {}
         for K in ks:
             cfgs = [make_run_config("assoc_recall", "fade600" if k % 2 else "unforced", k, steps=steps,
-                                    eval_every=10 ** 6, n_val=64) for k in range(K)]
+                                    eval_every=10 ** 6, n_val=64, model=model) for k in range(K)]
             t = time.perf_counter()
             train_group(cfgs)
             out[K] = round((time.perf_counter() - t) * 1000 / (steps * K), 3)
-            log(f"  group of K={K} ({threads} thread): {out[K]:.2f} ms per run-step")
+            log(f"  {model} group of K={K} ({threads} thread): {out[K]:.2f} ms per run-step")
         return out
     finally:
         torch.set_num_threads(old)
@@ -181,10 +183,14 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
         f"the time of K sequential reference runs; `--workers 2` runs two such groups at once)")
     log("group scaling (the table `--group auto` chooses from):")
     scaling = measure_group_scaling((1, 2, 4, 8) if quick else (1, 2, 4, 8, 16), steps=steps if quick else 50, log=log)
+    large = measure_group_scaling((1, 2) if quick else (1, 2, 4, 6), steps=3 if quick else 12, log=log, model="large")
     from .executors import choose_group_size, save_group_scaling
-    log(f"  saved to {save_group_scaling(scaling)}; --group auto picks K={choose_group_size(10 ** 6, 1, scaling)} "
-        "for a large sweep")
-    return {"group_scaling_ms": {str(k): v for k, v in scaling.items()}, "gemm_gflops": round(gemm, 2), "model_gflop_per_step": round(flops / 1e9, 4),
+    for m, table in (("base", scaling), ("large", large)):
+        log(f"  saved to {save_group_scaling(table, m)}; --group auto picks K={choose_group_size(10 ** 6, 1, table)} "
+            f"for a large sweep of the {m} model")
+    return {"group_scaling_ms": {str(k): v for k, v in scaling.items()},
+            "group_scaling_large_ms": {str(k): v for k, v in large.items()},
+            "gemm_gflops": round(gemm, 2), "model_gflop_per_step": round(flops / 1e9, 4),
             "single_ms_per_step": round(single, 3), "reference_ms_per_step": round(reference, 3),
             "group_ms_per_run_step": round(group, 3), "group_size": group_size,
             "mfu": round(mfu, 4), "reference_mfu": round(flops / (reference / 1e3) / (gemm * 1e9), 4),

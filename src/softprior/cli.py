@@ -232,8 +232,10 @@ def _group_arg(v: str) -> int | str:
 def _group_shown(args, cfgs, store) -> str:
     """The group size a sweep of ``cfgs`` will use (``auto`` resolved as ``execute`` resolves it)."""
     from .executors import sweep_plan
-    _, k = sweep_plan(cfgs, store, args.group, args.workers)
-    return f"auto (K = {k})" if args.group == "auto" else str(k)
+    _, ks = sweep_plan(cfgs, store, args.group, args.workers)
+    if args.group != "auto":
+        return str(args.group)
+    return "auto (" + ", ".join(f"K = {k}" + (f" {m}" if len(ks) > 1 else "") for m, k in ks.items()) + ")" if ks else "auto"
 
 
 def cmd_reproduce(args) -> int:
@@ -437,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--executor", default="local", choices=["local", "ray"])
             r.add_argument("--group", type=_group_arg, default="auto", help="runs trained together in one "
                            "process, their parameters stacked on a run dimension (engine.train_group); 'auto' "
-                           "(default): chosen from the measured group scaling (executors.choose_group_size)")
+                           "(default): chosen per model size from its measured group scaling (executors.group_sizes)")
             r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
             r.add_argument("--device", default=None, help="where grouped runs (--group > 1) train, e.g. cuda "
                            "(default: $SOFTPRIOR_DEVICE or cpu)")

@@ -37,7 +37,8 @@ from typing import Callable
 from .config import RunConfig
 from .store import RunStore
 
-__all__ = ["execute", "sweep_plan", "SweepReport", "JobResult", "work", "choose_group_size", "GROUP_SCALING", "save_group_scaling",
+__all__ = ["execute", "sweep_plan", "SweepReport", "JobResult", "work", "choose_group_size", "group_sizes",
+           "group_scaling", "GROUP_SCALING", "GROUP_SCALING_BY_MODEL", "save_group_scaling",
            "load_group_scaling", "SWEEP_CHECKPOINT_SECONDS"]
 
 # a sweep job checkpoints after every this many seconds of training ($SOFTPRIOR_CHECKPOINT_SECONDS)
@@ -49,6 +50,13 @@ SWEEP_CHECKPOINT_SECONDS = 120.0
 # ``softprior bench`` measures this machine's own table and saves it (``save_group_scaling``);
 # ``--group auto`` reads that, else this one.
 GROUP_SCALING: dict[int, float] = {1: 7.82, 2: 8.07, 4: 6.80, 8: 6.22, 16: 6.72}
+# the same for other model sizes (``model.size_label``), here measured on the development machine
+# (session 2026-12-05, ``train.Runs.step`` at 1 thread, assoc recall, batch 64): the large model is
+# compute-bound at batch 64, so a group only adds memory traffic and it trains fastest alone (sweeps
+# measured ~185 s a run alone against ~218 s in a group of 6). A model size without a table uses
+# the base one.
+GROUP_SCALING_BY_MODEL: dict[str, dict[int, float]] = {"base": GROUP_SCALING,
+                                                       "large": {1: 45.8, 2: 48.6, 4: 50.6, 6: 48.2}}
 
 
 @dataclass
@@ -223,53 +231,85 @@ def _scaling_file():
     return Path(root) / "softprior" / "group_scaling.json"
 
 
-def save_group_scaling(scaling: dict[int, float]) -> str:
-    """Save this machine's measured group scaling where ``--group auto`` finds it."""
+def save_group_scaling(scaling: dict[int, float], model: str = "base") -> str:
+    """Save this machine's measured group scaling of ``model`` (a size label) where ``--group auto``
+    finds it (one file; the other sizes' tables in it are kept)."""
     f = _scaling_file()
     f.parent.mkdir(parents=True, exist_ok=True)
     import torch
-    f.write_text(json.dumps({"ms_per_run_step": {str(k): v for k, v in scaling.items()}, "torch": torch.__version__}))
+    tables = _saved_tables()
+    tables[model] = {str(k): v for k, v in scaling.items()}
+    f.write_text(json.dumps({"ms_per_run_step": tables.get("base", {}),
+                             "by_model": {m: t for m, t in tables.items() if m != "base"},
+                             "torch": torch.__version__}))
     return str(f)
 
 
-def load_group_scaling() -> dict[int, float] | None:
-    """The saved table (``save_group_scaling``), or None when this machine has none (or it is unreadable)."""
+def _saved_tables() -> dict[str, dict]:
     try:
-        d = json.loads(_scaling_file().read_text())["ms_per_run_step"]
-        return {int(k): float(v) for k, v in d.items()} or None
+        d = json.loads(_scaling_file().read_text())
+        tables = {"base": dict(d["ms_per_run_step"]), **{m: dict(t) for m, t in d.get("by_model", {}).items()}}
+        return {m: t for m, t in tables.items() if t}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def load_group_scaling(model: str = "base") -> dict[int, float] | None:
+    """The saved table of ``model`` (``save_group_scaling``), or None when this machine has none (or it
+    is unreadable)."""
+    try:
+        return {int(k): float(v) for k, v in _saved_tables()[model].items()} or None
+    except (KeyError, ValueError, TypeError, AttributeError):
         return None
+
+
+def group_scaling(model: str = "base") -> dict[int, float]:
+    """The table ``--group auto`` uses for a model size: this machine's (``softprior bench``) if saved,
+    else the development machine's (``GROUP_SCALING_BY_MODEL``), else the base model's."""
+    return load_group_scaling(model) or GROUP_SCALING_BY_MODEL.get(model) or load_group_scaling() or GROUP_SCALING
 
 
 def choose_group_size(n_runs: int, workers: int, scaling: dict[int, float] | None = None) -> int:
     """``--group auto``: the smallest K whose measured per-run-step time is within 5% of the best
-    (``scaling``: K -> ms per run-step; default: this machine's ``softprior bench`` measurement if
-    saved, else ``GROUP_SCALING``), and no larger than an equal share of ``n_runs`` per worker, so
-    every worker has a group to train."""
+    (``scaling``: K -> ms per run-step; default: the base model's ``group_scaling``), and no larger
+    than an equal share of ``n_runs`` per worker, so every worker has a group to train."""
     if scaling is None:
-        scaling = load_group_scaling() or GROUP_SCALING
+        scaling = group_scaling()
     best = min(scaling.values())
     k = min(k for k, ms in scaling.items() if ms <= 1.05 * best)
     return max(1, min(k, -(-n_runs // max(workers, 1))))
 
 
-def _jobs(cfgs: list[RunConfig], group_size: int, kept: list[list[str]] = ()) -> list[list[RunConfig]]:
-    """The jobs of a sweep: groups of up to ``group_size`` compatible runs (``engine.group_key``). A
-    group in ``kept`` (run ids of a group checkpoint that a killed sweep left) is kept together, so it
-    resumes where it stopped, whatever size the new plan would give it."""
+def group_sizes(cfgs: list[RunConfig], group_size: int | str, workers: int) -> dict[str, int]:
+    """The group size of each model size (``model.size_label``) among ``cfgs``: ``group_size`` for
+    all, or for "auto" each size's own ``choose_group_size`` over its own table and run count."""
+    from .model import size_label
+    counts: dict[str, int] = {}
+    for c in cfgs:
+        counts[size_label(c.model)] = counts.get(size_label(c.model), 0) + 1
+    if group_size == "auto":
+        return {m: choose_group_size(n, workers, group_scaling(m)) for m, n in counts.items()}
+    return {m: group_size for m in counts}
+
+
+def _jobs(cfgs: list[RunConfig], group_size: int | dict[str, int], kept: list[list[str]] = ()) -> list[list[RunConfig]]:
+    """The jobs of a sweep: groups of up to ``group_size`` compatible runs (``engine.group_key``;
+    ``group_size`` one K, or one per model size as ``group_sizes`` gives). A group in ``kept`` (run ids
+    of a group checkpoint that a killed sweep left) is kept together, so it resumes where it stopped,
+    whatever size the new plan would give it."""
+    from .engine import group_key
+    from .model import size_label
     by_id = {c.run_id: c for c in cfgs}
     jobs = [[by_id[r] for r in g] for g in kept]
     cfgs = [c for c in cfgs if not any(c.run_id in g for g in kept)]
-    if group_size <= 1:
-        return jobs + [[c] for c in cfgs]
-    from .engine import group_key
+    sizes = group_size if isinstance(group_size, dict) else {size_label(c.model): group_size for c in cfgs}
     buckets: dict[str, list[RunConfig]] = {}
     # snapshot runs train alone: a single run's checkpoint keeps its snapshots so far, a group's does not
     jobs += [[c] for c in cfgs if c.snapshot_every]
     for c in (c for c in cfgs if not c.snapshot_every):
         buckets.setdefault(group_key(c), []).append(c)
     for b in buckets.values():
-        n = -(-len(b) // group_size)  # as few groups as group_size allows, of equal size (13 -> 5, 4, 4)
+        n = -(-len(b) // max(1, sizes.get(size_label(b[0].model), 1)))  # as few groups as K allows, equal (13 -> 5, 4, 4)
         jobs += [b[i::n] for i in range(n)]
     # longest first (LPT): the costly groups start early and the short ones fill in at the end, so the
     # workers finish together instead of the last large group running alone
@@ -282,15 +322,14 @@ def _job_cost(job: list[RunConfig]) -> float:
     return job[0].total_steps * len(job) * m.n_layers * m.d_model ** 2 * m.n_ctx
 
 
-def sweep_plan(cfgs: list[RunConfig], store: RunStore, group_size: int | str, workers: int) -> tuple[list[RunConfig], int]:
+def sweep_plan(cfgs: list[RunConfig], store: RunStore, group_size: int | str,
+               workers: int) -> tuple[list[RunConfig], dict[str, int]]:
     """(the distinct configs of ``cfgs`` that ``store`` has not finished, the group size a sweep of them
-    uses: ``group_size``, or for "auto" ``choose_group_size`` of how many are left)."""
-    todo = [c for c in _unique(cfgs) if not store.is_done(c.run_id)]
-    if group_size == "auto":
-        return todo, choose_group_size(len(todo), workers)
-    if not isinstance(group_size, int) or group_size < 1:
+    uses per model size: ``group_size``, or for "auto" ``group_sizes`` of what is left)."""
+    if group_size != "auto" and (not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size must be a positive int or 'auto', got {group_size!r}")
-    return todo, group_size
+    todo = [c for c in _unique(cfgs) if not store.is_done(c.run_id)]
+    return todo, group_sizes(todo, group_size, workers)
 
 
 def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", workers: int = 1,
@@ -300,7 +339,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
             require_calibration: bool = True, checkpoint_seconds: float | None = None) -> SweepReport:
     """Make sure every config in ``cfgs`` is in ``store``; return what happened.
 
-    ``group_size``: runs per group (``engine.train_group``), or "auto" (``choose_group_size``).
+    ``group_size``: runs per group (``engine.train_group``), or "auto" (``group_sizes``: per model size).
     ``checkpoint_seconds``: how often a job checkpoints (default ``$SOFTPRIOR_CHECKPOINT_SECONDS`` or
     ``SWEEP_CHECKPOINT_SECONDS``); a killed sweep's next run resumes from there.
     ``require_calibration``: refuse (``CalibrationMissing``) before training anything when a
