@@ -236,10 +236,14 @@ register_experiment(Experiment(
     lambda o: _baseline_cells(o, ("assoc_recall",), evals=(NORMAL, Eval("T=120", None, 120))), curves=False))
 
 
-def _mechanism_cells(o: Options) -> list[Cell]:
-    cells = _path_cells(o, ["fade600"])
+def _with_snapshots(o: Options, cells: list[Cell]) -> list[Cell]:
+    """``cells`` whose runs keep a weight snapshot every 300 training steps (50 in a --quick run)."""
     every = 50 if o.quick else 300
     return [Cell(c.cfg.model_copy(update={"snapshot_every": every}), c.row, c.col, c.evals) for c in cells]
+
+
+def _mechanism_cells(o: Options) -> list[Cell]:
+    return _with_snapshots(o, _path_cells(o, ["fade600"]))
 
 
 def _mechanism_analysis(store, cells, out_dir):
@@ -263,26 +267,15 @@ register_experiment(Experiment(
     lambda o: _path_cells(o, ["unforced", "fade2000", "fade2400", "hard_switch2400"])))
 
 
-def _late_mechanism_cells(o: Options) -> list[Cell]:
-    every = 50 if o.quick else 300
-    return [Cell(c.cfg.model_copy(update={"snapshot_every": every}), c.row, c.col, c.evals)
-            for c in _path_cells(o, ["fade2400"])]
-
-
 register_experiment(Experiment(
     "mechanism_trace_late", "not in the paper: the mechanism trace of fade2400->0 runs (the fade starts after "
-    "the unforced circuit has formed)", _late_mechanism_cells, analysis=_mechanism_analysis))
-
-
-def _large_mechanism_cells(o: Options) -> list[Cell]:
-    every = 50 if o.quick else 300
-    return [Cell(c.cfg.model_copy(update={"snapshot_every": every}), c.row, c.col, c.evals)
-            for c in _path_cells(o, ["fade600"], models=("large",))]
-
+    "the unforced circuit has formed)", lambda o: _with_snapshots(o, _path_cells(o, ["fade2400"])),
+    analysis=_mechanism_analysis))
 
 register_experiment(Experiment(
     "mechanism_trace_large", "the mechanism trace of fade600->0 on the large model, where (unlike the base model) "
-    "the circuit can form before the fade", _large_mechanism_cells, analysis=_mechanism_analysis))
+    "the circuit can form before the fade", lambda o: _with_snapshots(o, _path_cells(o, ["fade600"], models=("large",))),
+    analysis=_mechanism_analysis))
 
 
 # ------------------------------------------------------------------------------------- continuation
@@ -291,10 +284,8 @@ CONTINUATION_PATHS = {"assoc_recall": ["fade600", "hard_switch1050", "forced_zer
 
 
 def _continuation_cells(o: Options, models=("base",)) -> list[Cell]:
-    every = 50 if o.quick else 300
-    return [Cell(c.cfg.model_copy(update={"snapshot_every": every}), c.row, c.col, c.evals)
-            for task, paths in CONTINUATION_PATHS.items()
-            for c in _path_cells(o, paths, task=task, models=models, col_of=lambda m, t=task: t)]
+    return _with_snapshots(o, [c for task, paths in CONTINUATION_PATHS.items()
+                               for c in _path_cells(o, paths, task=task, models=models, col_of=lambda m, t=task: t)])
 
 
 def _continuation_analysis(store, cells, out_dir):
