@@ -254,7 +254,8 @@ def test_trace_and_summary(recall):
                           task_options=dict(n_pairs=8, n_keys=15), n_val=128)
     hand = hand_recall_model().state_dict()
     rand = SoftPriorTransformer(recall_cfg()).state_dict()
-    snaps = [(0, rand), (300, {f"model.{k}": v for k, v in hand.items()})]  # checkpoint-style keys too
+    # a single run's checkpoint tensors too (train.checkpoint: "model." keys, a run dimension of 1)
+    snaps = [(0, rand), (300, {f"model.{k}": v[None] for k, v in hand.items()})]
     df = A.trace(snaps, cfg, gates=GATES)
     assert list(df.columns) == ["step", "layer", "head", "successor_mass", "ablation_importance", "base_score"]
     assert len(df) == 2 * 2 * H
@@ -267,6 +268,8 @@ def test_trace_and_summary(recall):
     assert s["top_ablation_head"] in {(0, 0), (1, 0)} and s["ablation_first_step"] == 300
     mat = A.trace_matrix(df, "successor_mass")
     assert mat.shape == (2, 2 * H) and mat.loc[300, "L1H0"] > 0.999
+    with pytest.raises(ValueError, match="group"):  # a group's stacked checkpoint: one run's slice, not a guess
+        A.trace([(300, {f"model.{k}": torch.stack([v, v]) for k, v in hand.items()})], cfg, gates=GATES)
 
 
 def test_summarise_trace_thresholds():

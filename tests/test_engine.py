@@ -156,3 +156,12 @@ def test_static_and_gated_baselines_in_a_group_match_runs_alone(baseline):
                 assert ra[k] == pytest.approx(rg[k], rel=1e-5, abs=1e-5), (baseline, k)
         for name, w in alone.state_dict.items():
             assert torch.allclose(w, g.state_dict[name], atol=1e-5), (baseline, name)
+
+
+def test_a_group_is_stacked_before_it_moves_to_its_device():
+    # the models are built on the CPU and stacked there; only then do the weights move (here to the
+    # "meta" device, which needs no accelerator): moving the first model before stacking mixed devices
+    from softprior.train import Runs
+    runs = Runs([tiny_config(seed=s) for s in range(2)], device="meta")
+    assert all(p.device.type == "meta" and p.shape[0] == 2 for p in runs.params.values())
+    assert next(runs.base.parameters()).device.type == "meta"

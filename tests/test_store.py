@@ -414,3 +414,17 @@ def test_a_sweep_heartbeats_every_claim_it_holds(tmp_path):
     with sqlite3.connect(tmp_path / "index.sqlite") as db:
         beats = dict(db.execute("SELECT run_id, heartbeat FROM runs").fetchall())
     assert beats[cfgs[0].run_id] > 0 and beats[cfgs[1].run_id] > 0 and beats[cfgs[2].run_id] == 0
+
+
+def test_an_older_single_run_checkpoint_restarts_the_run_without_its_snapshots(store):
+    # before train.train was the K = 1 loop, a single run's checkpoint had no run ids: such a file (and
+    # the snapshots it kept) is dropped and the run starts again, rather than mixing two loops' weights
+    from safetensors.torch import save_file
+    cfg = tiny_config()
+    d = store.run_dir(cfg.run_id)
+    (d / "snapshots").mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(d / "snapshots" / "step_0000005.safetensors"), {"step": "5"})
+    save_file({"model.w": torch.zeros(2)}, str(d / "checkpoint.safetensors"),
+              {"meta": json.dumps({"step": 5, "n_in_window": 0, "metrics": []})})
+    assert store.load_checkpoint(cfg.run_id) is None
+    assert not (d / "checkpoint.safetensors").exists() and not (d / "snapshots").exists()

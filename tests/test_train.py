@@ -44,7 +44,8 @@ def forward_calls(monkeypatch):
 
 def applied(call):
     """(gate_pos, gate_content) of a recorded forward, None where it is the model's own gate (to float32
-    rounding: a mean over [L, H] rounds by layout)."""
+    rounding: a mean over [L, H] rounds by layout). A forced gate equal to the model's own (0.5 at
+    logit 0) reads as None too: tests of forced values read ``call[1:3]`` directly."""
     return tuple(None if math.isclose(v, own, rel_tol=1e-6) else v for v, own in ((call[1], call[4]), (call[2], call[5])))
 
 
@@ -335,10 +336,26 @@ def test_clip_per_run_scales_each_run_by_its_own_global_norm():
     assert torch.allclose(b, torch.tensor([[12 * s], [0.0], [1.0]]))
 
 
-def test_a_single_run_is_the_grouped_loop_with_one_run():
+def test_clip_per_run_leaves_runs_without_clipping_alone_even_at_overflow():
+    from softprior.train import clip_per_run_
+    g = torch.tensor([[3e38, 3e38], [3.0, 4.0]])  # run 0's sum of squares overflows to inf
+    clip_per_run_([g], torch.tensor([math.inf, 1.0]))
+    assert torch.equal(g[0], torch.tensor([3e38, 3e38]))
+    assert torch.allclose(g[1], torch.tensor([0.6, 0.8]))
+
+
+def test_a_group_with_snapshots_refuses_checkpoints_it_could_not_resume():
     from softprior.engine import train_group
-    for path in ("fade600->0", "dual_loss", "prior_dropout"):
-        cfg = tiny_config(path=path, steps=12)
-        a, (b,) = train(cfg), train_group([cfg])
-        assert a.metrics == b.metrics
-        assert state_dicts_equal(a.state_dict, b.state_dict)
+    cfgs = [tiny_config(seed=s, snapshot_every=5) for s in range(2)]
+    with pytest.raises(ValueError, match="snapshots"):
+        train_group(cfgs, on_checkpoint=lambda c: None)
+    assert [st for st, _ in train_group(cfgs)[1].snapshots] == [0, 5, 10, 15, 20]  # without checkpoints: kept
+
+
+def test_a_single_runs_checkpoint_feeds_the_analysis():
+    from softprior import analysis as A
+    cfg = tiny_config(checkpoint_every=10)
+    ckpts = []
+    res = train(cfg, on_checkpoint=ckpts.append)
+    df = A.trace([(10, ckpts[0]["tensors"]), (20, res.state_dict)], cfg, n_examples=16)
+    assert sorted(df["step"].unique()) == [10, 20]

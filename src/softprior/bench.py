@@ -185,7 +185,8 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     scaling = measure_group_scaling((1, 2, 4, 8) if quick else (1, 2, 4, 8, 16), steps=steps if quick else 50, log=log)
     large = measure_group_scaling((1, 2) if quick else (1, 2, 4, 6), steps=3 if quick else 12, log=log, model="large")
     from .executors import choose_group_size, save_group_scaling
-    for m, table in (("base", scaling), ("large", large)):
+    # a --quick large-model table (3 steps: mostly set-up and the final evaluation) is shown, not saved
+    for m, table in (("base", scaling),) + ((("large", large),) if not quick else ()):
         log(f"  saved to {save_group_scaling(table, m)}; --group auto picks K={choose_group_size(10 ** 6, 1, table)} "
             f"for a large sweep of the {m} model")
     return {"group_scaling_ms": {str(k): v for k, v in scaling.items()},

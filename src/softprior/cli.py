@@ -249,7 +249,7 @@ def cmd_reproduce(args) -> int:
             torch.empty(0, device=args.device)
         except (RuntimeError, AssertionError) as e:
             raise CliError(f"--device {args.device!r} is not usable here: {e}") from None
-        os.environ["SOFTPRIOR_DEVICE"] = args.device  # read by engine.train_group in every worker
+        os.environ["SOFTPRIOR_DEVICE"] = args.device  # read by train.Runs in every worker
     if args.name == "paper":
         return _paper(args, train=True)
     exp, cells = _experiment(args)
@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "process, their parameters stacked on a run dimension (engine.train_group); 'auto' "
                            "(default): chosen per model size from its measured group scaling (executors.group_sizes)")
             r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
-            r.add_argument("--device", default=None, help="where grouped runs (--group > 1) train, e.g. cuda "
+            r.add_argument("--device", default=None, help="where runs train (single runs and groups), e.g. cuda "
                            "(default: $SOFTPRIOR_DEVICE or cpu)")
             r.add_argument("--no-progress", action="store_true")
             r.add_argument("--exploratory", action="store_true",

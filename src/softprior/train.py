@@ -168,8 +168,8 @@ class Runs:
         for m, s in zip(models, init_states or []):
             if s is not None:
                 m.load_state_dict(s)
+        stacked, _ = stack_module_state(models)  # on the CPU, where the models were built
         self.base = models[0].to(dev)
-        stacked, _ = stack_module_state(models)
         self.params = {k: v.detach().to(dev).requires_grad_(True) for k, v in stacked.items()}
         for p in self.params.values():  # a zero gradient (not None) for a parameter a step leaves out (a
             p.grad = torch.zeros_like(p)  # forced or dropped gate's logit): AdamW counts every step for every tensor
@@ -284,6 +284,7 @@ def clip_per_run_(grads: list[torch.Tensor], max_norm: torch.Tensor) -> None:
     K = max_norm.shape[0]
     norms = torch.stack([g.reshape(K, -1).pow(2).sum(1) for g in grads]).sum(0).sqrt()  # [K]
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    scale = torch.where(torch.isinf(max_norm), 1.0, scale)  # clipping off: no scale, even for an overflowing norm
     torch._foreach_mul_(grads, [scale.view(K, *([1] * (g.dim() - 1))) for g in grads])
 
 
@@ -318,6 +319,9 @@ def train_runs(cfgs: list[RunConfig], init_states: list | None = None, *, progre
 
 def _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, checkpoint_seconds) -> list[RunResult]:
     t0 = time.perf_counter()
+    if len(cfgs) > 1 and cfgs[0].snapshot_every and on_checkpoint is not None:
+        raise ValueError("a group's checkpoint does not keep snapshots: train runs with snapshot_every alone "
+                         "(as sweeps do) or without checkpoints")
     runs = Runs(cfgs, init_states, device)
     K, c0, task, steps = runs.K, cfgs[0], runs.task, runs.steps
     run_ids = [c.run_id for c in cfgs]

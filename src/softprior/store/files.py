@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -126,7 +127,11 @@ class RunFiles:
     def load_checkpoint(self, run_id: str) -> dict | None:
         ck = _read_checkpoint(self.run_dir(run_id) / "checkpoint.safetensors")
         if ck is not None and ck["meta"].get("run_ids") != [run_id]:
-            return None  # an older format (before train.train was the K = 1 loop): the run restarts
+            # an older format (before train.train was the K = 1 loop): the run restarts from scratch, so
+            # the snapshots that checkpoint kept go with it
+            self.drop_checkpoint(run_id)
+            shutil.rmtree(self.run_dir(run_id) / "snapshots", ignore_errors=True)
+            return None
         if ck is not None:
             try:
                 d = self.run_dir(run_id)
