@@ -283,10 +283,10 @@ def choose_group_size(n_runs: int, workers: int, scaling: dict[int, float] | Non
 def group_sizes(cfgs: list[RunConfig], group_size: int | str, workers: int) -> dict[str, int]:
     """The group size of each model size (``model.size_label``) among ``cfgs``: ``group_size`` for
     all, or for "auto" each size's own ``choose_group_size`` over its own table and run count."""
+    from collections import Counter
+
     from .model import size_label
-    counts: dict[str, int] = {}
-    for c in cfgs:
-        counts[size_label(c.model)] = counts.get(size_label(c.model), 0) + 1
+    counts = Counter(size_label(c.model) for c in cfgs)
     if group_size == "auto":
         return {m: choose_group_size(n, workers, group_scaling(m)) for m, n in counts.items()}
     return {m: group_size for m in counts}

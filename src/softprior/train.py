@@ -116,7 +116,7 @@ def step_gates(path: PathConfig, step: int, total_steps: int, dropped: bool) -> 
 
 def with_dual_loss(loss: torch.Tensor, zero_gate_loss: Callable[[], torch.Tensor], weight=1.0) -> torch.Tensor:
     """The dual condition loss (SPEC section 3): loss(normal gates) + loss(zero gates).
-    ``weight``: 1 for a run with the dual loss; in the grouped engine a per-run 0/1 vector [K]."""
+    ``weight``: 1 for a run with the dual loss; in ``Runs.step`` a per-run 0/1 vector [K]."""
     return loss + weight * zero_gate_loss()
 
 
@@ -383,7 +383,7 @@ def _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, chec
 
 def run_summary(cfg: RunConfig, task: Task, last: dict, steps: int, seconds: float, n_params: int,
                 **extra) -> dict:
-    """A finished run's summary, from its final evaluation row (shared by train and engine).
+    """A finished run's summary, from its final evaluation row (one per run of ``train_runs``).
     ``extra``: e.g. ``group_size``, and ``resumed_at`` (the checkpoint's step) for a resumed run;
     ``seconds`` then counts only the time since the resume."""
     m = task.metric
@@ -395,7 +395,7 @@ def run_summary(cfg: RunConfig, task: Task, last: dict, steps: int, seconds: flo
 
 
 # ------------------------------------------------------------------------------- checkpoints
-# One format for single runs and groups (engine.py): weights, optimiser state, every generator's
+# One format for single runs and groups (``train_runs``): weights, optimiser state, every generator's
 # state, the running loss sum and the metrics so far; resuming from it is bit-identical.
 class CheckpointClock:
     """When a checkpoint is due: every ``every_steps`` steps (0: not by steps) and at the first step
