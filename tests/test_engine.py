@@ -143,10 +143,11 @@ def test_a_model_without_prior_trains_at_zero_gates_in_a_group_as_alone():
     assert torch.equal(grouped[0].state_dict["blocks.0.attn.pos_bias"], init["blocks.0.attn.pos_bias"])
 
 
-@pytest.mark.parametrize("baseline", ["rope", "soft_pos_only"])
+@pytest.mark.parametrize("baseline", ["rope", "kerple", "soft_pos_only"])
 def test_static_and_gated_baselines_in_a_group_match_runs_alone(baseline):
-    """The vmapped readable model (static schemes) and the fast path (soft_* baselines) take their
-    per-step gates from the same rules as train.train (train.step_gates)."""
+    """The vmapped readable model (rope), the fast path with a learned static bias (kerple) and the
+    fast path with gates (soft_* baselines) take their per-step gates from the same rules as
+    train.train (train.step_gates), and a run trained in a group matches it trained alone."""
     cfgs = [tiny_config(seed=s, baseline=baseline, steps=10, eval_every=5) for s in (0, 1)]
     for cfg, g in zip(cfgs, train_group(cfgs)):
         alone = train(cfg)

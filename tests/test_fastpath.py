@@ -79,8 +79,10 @@ def test_fast_forward_matches_the_readable_model_in_logits_and_gradients(task, g
 
 
 def test_model_forward_uses_the_readable_model_for_schemes_and_hooks():
-    cfg = make_run_config("assoc_recall", baseline="rope")
-    assert not supports(cfg.model)
+    for name in ("rope", "vanilla", "cope", "dape", "gpsa"):  # rotations, absolute tables, contextual schemes
+        assert not supports(make_run_config("assoc_recall", baseline=name).model), name
+    for name in ("nope", "alibi", "t5", "kerple", "kerple_power", "fire"):  # an additive bias, or nothing
+        assert supports(make_run_config("assoc_recall", baseline=name).model), name
     assert supports(make_run_config("assoc_recall").model)
     m = build_model(make_run_config("assoc_recall"))
     tokens = torch.randint(0, m.cfg.vocab, (4, 32))
@@ -205,3 +207,43 @@ def test_backward_mode_is_checked():
     assert _backward_mode("hand") == "hand"
     with pytest.raises(ValueError):
         _backward_mode("handwritten")
+
+
+# ------------------------------------------------------------------ static schemes on the fast path
+ADDITIVE = ["nope", "alibi", "t5", "kerple", "kerple_power", "fire"]
+
+
+def _scheme_models(task, baseline, n_runs=2, n_layers=2):
+    task, _, variant = task.partition("-")
+    cfgs = [make_run_config(task, seed=s, baseline=baseline, calibrated=False,
+                            task_options=dict(loss_on=variant) if variant else None,
+                            model_options=dict(n_layers=n_layers)) for s in range(n_runs)]
+    models = [build_model(c).double() for c in cfgs]
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # every parameter moved off its initial value, the scheme's too
+        for m in models:
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return cfgs, models
+
+
+@pytest.mark.parametrize("baseline", ADDITIVE)
+@pytest.mark.parametrize("task", ["assoc_recall", "markov-determined", "linear_icl"])
+def test_additive_schemes_on_the_fast_path_match_the_readable_model(baseline, task):
+    """Logits and every gradient, the scheme's parameters included, to 1e-5 in float64, through both
+    backwards (the re-associated last layer on assoc / linear ICL, the plain one on Markov-determined)."""
+    from softprior.fastpath import hand_forward
+    for fwd in (fast_forward, hand_forward):
+        cfgs, models = _scheme_models(task, baseline)
+        inputs, pos, params = _batch_and_params(cfgs, models)
+        L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
+        zeros = torch.zeros(2, L, H, dtype=torch.float64)  # prior off: gates 0, as the readable model's
+        fast = fwd(params, cfgs[0].model, inputs, zeros, zeros, pos)
+        ref = torch.stack([m(inputs, positions=pos) for m in models])
+        _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero=True)
+        scheme = [n for n in params if ".scheme." in n]
+        if baseline in ("t5", "kerple", "kerple_power", "fire"):  # learned: the gradient reached the scheme
+            assert scheme and all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in scheme)
+        else:
+            assert not scheme
+

@@ -44,9 +44,17 @@ What it does differently (each an exact algebraic identity, so only rounding dif
    (the default, "autograd", does). Gain: ~1.25-1.4x on the fixed per-step cost (batch 1), but at
    batch 64 a step is dominated by the attention kernels and the gain is ~5% (docs/PERFORMANCE.md).
 
-Supported: the soft-prior model with no static positional scheme (``positional == "none"``; the
-NoPE/soft_* baselines and every path), token and vector tasks, any gate granularity. Anything
-else (static schemes, active hooks) goes through the readable model (``supports``).
+7. **Static schemes that only add a bias** (ALiBi, T5, Kerple log and power, FIRE) and NoPE: the
+   scheme's bias b_h(i, j) is computed per layer from the run-stacked scheme parameters (the scheme's
+   own ``bias``, through ``functional_call``, vmapped over the runs) and added to the prior's bias
+   before the mask, as ``AdditiveBias.adjust_logits`` adds it in the readable model; its gradient
+   reaches the scheme's parameters through autograd (in the hand path it enters ``_Whole`` as one more
+   input whose gradient is dbias). ~2x a step through ``vmap`` of the readable model (docs/PERFORMANCE.md).
+
+Supported: the soft-prior model with no static positional scheme or an additive / empty one (the
+soft_* baselines and every path; nope, alibi, t5, kerple, kerple_power, fire), token and vector
+tasks, any gate granularity. Anything else (rotary, absolute and contextual schemes, active hooks)
+goes through the readable model (``supports``).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call, vmap
 
 from .model import ModelConfig
 
@@ -64,8 +73,71 @@ __all__ = ["supports", "fast_forward", "hand_forward", "stacked_params", "model_
 
 
 def supports(cfg: ModelConfig) -> bool:
-    """Whether ``fast_forward`` computes this model (else use the readable model)."""
-    return cfg.positional == "none"
+    """Whether ``fast_forward`` computes this model (else use the readable model): no static scheme,
+    or one that only adds a bias to the logits (ALiBi, T5, Kerple, FIRE) or does nothing (NoPE)."""
+    return cfg.positional == "none" or _additive_scheme(cfg.positional) is not None
+
+
+def _additive_scheme(name: str):
+    """"bias" for a scheme whose only effect is ``AdditiveBias.adjust_logits``, "none" for the identity
+    scheme (NoPE), None for any other (rotary, absolute, contextual: the readable model computes those)."""
+    from .positional import SCHEMES, AdditiveBias, PositionalScheme
+    cls = SCHEMES[name][0]
+    if any(getattr(cls, f) is not getattr(PositionalScheme, f) for f in ("embed_positions", "rotate", "mix_pattern")):
+        return None
+    if cls.adjust_logits is PositionalScheme.adjust_logits:
+        return "none"
+    return "bias" if cls.adjust_logits is AdditiveBias.adjust_logits else None
+
+
+class _SchemeBias(torch.nn.Module):
+    """A layer's additive scheme as a module whose forward is its bias (H, Tq, T), for ``functional_call``."""
+
+    def __init__(self, scheme):
+        super().__init__()
+        self.scheme = scheme
+
+    def forward(self, qpos, kpos):
+        return self.scheme.bias(qpos, kpos)
+
+
+@lru_cache(maxsize=32)
+def _scheme_module(name: str, H: int, dh: int, d: int, n_ctx: int, layer: int, L: int) -> _SchemeBias:
+    """A template of layer ``layer``'s scheme: its own parameters are never read (``functional_call``
+    substitutes the run's); built under a forked RNG so that building it draws nothing from the caller's."""
+    from .positional import make_scheme
+    with torch.random.fork_rng(devices=[]):
+        return _SchemeBias(make_scheme(name, n_heads=H, d_head=dh, d_model=d, n_ctx=n_ctx, layer=layer, n_layers=L))
+
+
+def _static_bias(params: dict, cfg: ModelConfig, layer: int, K: int, T: int, qpos: tuple[int, ...] | None,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """A static additive scheme's bias b_h(i, j) for layer ``layer`` and K runs, [K, H, Tq, T] (queries
+    ``qpos``, all if None), from the run-stacked scheme parameters (``blocks.{l}.attn.scheme.*``); None
+    when the model has no such scheme. Added to the logits before the mask as the readable model's
+    ``AdditiveBias.adjust_logits`` does (its gradient reaches the scheme's parameters through autograd)."""
+    if cfg.positional == "none" or _additive_scheme(cfg.positional) != "bias":
+        return None
+    mod = _scheme_module(cfg.positional, cfg.n_heads, cfg.d_head, cfg.d_model, cfg.n_ctx, layer, cfg.n_layers)
+    kpos = torch.arange(T, device=device)
+    q = kpos if qpos is None else torch.tensor(qpos, device=device)
+    pre = f"blocks.{layer}.attn."
+    sub = {n[len(pre):]: p for n, p in params.items() if n.startswith(pre + "scheme.")}
+    if not sub:  # no parameters (ALiBi): the same bias for every run
+        b = mod(q, kpos)[None].expand(K, -1, -1, -1)
+    elif K == 1:
+        b = functional_call(mod, {n: p[0] for n, p in sub.items()}, (q, kpos))[None]
+    else:
+        b = vmap(lambda p: functional_call(mod, p, (q, kpos)))(sub)
+    return b.to(dtype)
+
+
+def _biases(params: dict, cfg: ModelConfig, K: int, T: int, pos: tuple[int, ...], dtype, device) -> list:
+    """Per layer, the static scheme's bias at the queries that layer computes (all T, or the loss
+    positions for a last layer on the re-associated path), or None."""
+    few = 2 * len(pos) <= T
+    return [_static_bias(params, cfg, l, K, T, pos if (l == cfg.n_layers - 1 and few) else None, dtype, device)
+            for l in range(cfg.n_layers)]
 
 
 def stacked_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -222,6 +294,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     P = len(pos)
     off_all, mask_all = _geometry(T, cfg.n_ctx, None, inputs.device)
     off_q, mask_q = _geometry(T, cfg.n_ctx, pos, inputs.device)
+    static = _biases(params, cfg, K, T, pos, params["blocks.0.attn.in_proj.weight"].dtype, inputs.device)
 
     if tokens:
         E = params["embed.weight"]  # [K, V, d]
@@ -266,7 +339,10 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
                     y = _proj(n, Wr, ln_w, ln_b).view(K, B, T, H, width)
                     return y.permute(0, 3, 1, 2, 4).reshape(K * H * B, T, width)
                 qe, ke, v = heads(W_qu, e), heads(W_kw, e), heads(W_v, dh)
-            z = _Attention.apply(qe, ke, v, _pos_bias(table, gp, off_all, mask_all))  # [K*H*B, T, dh]
+            bias = _pos_bias(table, gp, off_all, mask_all)
+            if static[l] is not None:
+                bias = bias + static[l]
+            z = _Attention.apply(qe, ke, v, bias)  # [K*H*B, T, dh]
             z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
             x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 5)
         else:
@@ -285,7 +361,10 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             qt = torch.bmm(q, Wn[:, :, e:2 * e].reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
             qt = qt.view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
             s = torch.bmm(qt, n4.reshape(K * B, T, d).transpose(1, 2)).view(K, B, H, P, T)
-            s = s + _pos_bias(table, gp, off_q, mask_q).unsqueeze(1)
+            bias = _pos_bias(table, gp, off_q, mask_q)
+            if static[l] is not None:
+                bias = bias + static[l]
+            s = s + bias.unsqueeze(1)
             nbar = torch.bmm(s.softmax(-1).view(K * B, H * P, T), n4.reshape(K * B, T, d))  # [K*B, H*P, d]
             nbar = nbar.view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
             W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
@@ -329,6 +408,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
 # - Gathers rows = table[idx]:  dtable = index_add of drows at idx.
 
 _BACKWARDS = ("autograd", "hand")
+_STATIC = "static_bias."  # the hand path's name of layer l's static scheme bias (an input of ``_Whole``)
 
 
 def _backward_mode(backward: str | None) -> str:
@@ -376,6 +456,12 @@ def _bias_bwd(dbias, tb, gp, off, n_ctx):
     dgp = (dbias * tb).sum((-1, -2))
     dt = dbias.new_zeros(K, H, n_ctx).index_add_(2, off.reshape(-1), (dbias * gp[:, :, None, None]).reshape(K, H, -1))
     return dt, dgp
+
+
+def _with_static(bias, params, l):
+    """The prior's bias plus layer l's static scheme bias, if the model has one."""
+    sb = params.get(f"{_STATIC}{l}")
+    return bias if sb is None else bias + sb
 
 
 def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
@@ -441,7 +527,7 @@ def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
                 st.update(kind="plain", x=x, n=n, mean=mean, rstd=rstd, A=A)
             qe, ke, v = g
             s = torch.bmm(qe, ke.transpose(1, 2)).view(K, H, B, T, T)
-            s.add_(torch.addcmul(mask_all, gp[:, :, None, None], tb).unsqueeze(2))
+            s.add_(_with_static(torch.addcmul(mask_all, gp[:, :, None, None], tb), params, l).unsqueeze(2))
             p = torch.softmax(s, -1).view(K * H * B, T, T)
             z = torch.bmm(p, v)
             zc = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
@@ -461,7 +547,7 @@ def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
             qt = torch.bmm(q, WnK).view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
             nf = n.view(K * B, T, d)
             s = torch.bmm(qt, nf.transpose(1, 2)).view(K, B, H, P, T)
-            s.add_(torch.addcmul(mask_q, gp[:, :, None, None], tb).unsqueeze(1))
+            s.add_(_with_static(torch.addcmul(mask_q, gp[:, :, None, None], tb), params, l).unsqueeze(1))
             pm = torch.softmax(s, -1).view(K * B, H * P, T)
             nbar = torch.bmm(pm, nf).view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
             W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
@@ -553,6 +639,7 @@ def _hand_backward(S, cfg, dout):
             dx_new = _ln_bwd(dn, st["x"], st["mean"], st["rstd"])
             dx_new.view(K, B, T, d).index_add_(2, pos_t, dxo.view(K, B, P, d))  # the residual
             dtab, dgp[:, l] = _bias_bwd(dbias, st["tb"], st["gp"], S["off_q"], cfg.n_ctx)
+            grads[f"{_STATIC}{l}"] = dbias
         else:
             # x_out = x + zc W_out^T
             # (saved tensors are popped as they are used: the step's peak memory, and with it the
@@ -565,6 +652,7 @@ def _hand_backward(S, cfg, dout):
             ds = torch.ops.aten._softmax_backward_data(torch.bmm(dz, v.transpose(1, 2)), p, -1, p.dtype)
             dbias = ds.view(K, H, B, T, T).sum(2)
             dtab, dgp[:, l] = _bias_bwd(dbias, st["tb"], st["gp"], S["off_all"], cfg.n_ctx)
+            grads[f"{_STATIC}{l}"] = dbias
             # dq, dk, dv, each written straight to its place (no concatenation of activation gradients)
             pieces = ((0, e, lambda: torch.bmm(ds, ke)), (e, 2 * e, lambda: torch.bmm(ds.transpose(1, 2), qe)),
                       (2 * e, w, lambda: torch.bmm(p.transpose(1, 2), dz)))
@@ -632,5 +720,10 @@ def hand_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
                  g_pos: torch.Tensor, g_content: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``fast_forward`` with the hand-written backward (one autograd node for the whole model)."""
     pos = tuple(int(p) for p in positions.tolist())
+    K, T = g_pos.shape[0], inputs.shape[-1 if cfg.d_in is None else -2]
+    static = _biases(params, cfg, K, T, pos, params["blocks.0.attn.in_proj.weight"].dtype, inputs.device)
+    # a static scheme's bias enters as one more input (computed here, in autograd, from the scheme's
+    # parameters); the hand backward returns its gradient, dbias
+    params = {**params, **{f"{_STATIC}{l}": b for l, b in enumerate(static) if b is not None}}
     names = tuple(params)
     return _Whole.apply(cfg, inputs, pos, names, g_pos, g_content, *(params[n] for n in names))

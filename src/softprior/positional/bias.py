@@ -196,9 +196,10 @@ class FIRE(AdditiveBias):
     def normalized_distance(self, qpos, kpos) -> torch.Tensor:
         """psi(max(i - j, 0)) / psi(max(i, L)), (Tq, T)."""
         c = self.c.abs()
-        rel = _offsets(qpos, kpos).clamp(min=0).to(torch.float32)
+        dt = c.dtype  # float32 in training; the parameters' dtype (e.g. float64 in the fast-path tests)
+        rel = _offsets(qpos, kpos).clamp(min=0).to(dt)
         L = (self.L_mult * self.L_init).abs()
-        norm = torch.maximum(qpos.to(torch.float32), L)  # (Tq,)
+        norm = torch.maximum(qpos.to(dt), L)  # (Tq,)
         return torch.log1p(c * rel) / (torch.log1p(c * norm)[:, None] + self.eps)
 
     def bias(self, qpos, kpos):
