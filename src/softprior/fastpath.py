@@ -44,17 +44,25 @@ What it does differently (each an exact algebraic identity, so only rounding dif
    (the default, "autograd", does). Gain: ~1.25-1.4x on the fixed per-step cost (batch 1), but at
    batch 64 a step is dominated by the attention kernels and the gain is ~5% (docs/PERFORMANCE.md).
 
-7. **Static schemes that only add a bias** (ALiBi, T5, Kerple log and power, FIRE) and NoPE: the
-   scheme's bias b_h(i, j) is computed per layer from the run-stacked scheme parameters (the scheme's
-   own ``bias``, through ``functional_call``, vmapped over the runs) and added to the prior's bias
-   before the mask, as ``AdditiveBias.adjust_logits`` adds it in the readable model; its gradient
-   reaches the scheme's parameters through autograd (in the hand path it enters ``_Whole`` as one more
-   input whose gradient is dbias). ~2x a step through ``vmap`` of the readable model (docs/PERFORMANCE.md).
+7. **Static schemes** (``_scheme_kind``), each computed by the scheme's own code on the run's own
+   parameters (``functional_call`` of a template scheme, vmapped over the runs):
+   - those that only add a bias (ALiBi, T5, Kerple log and power, FIRE): b_h(i, j) per layer, added
+     to the prior's bias before the mask, as ``AdditiveBias.adjust_logits`` adds it in the readable
+     model; its gradient reaches the scheme's parameters through autograd (in the hand path it enters
+     ``_Whole`` as one more input whose gradient is dbias). NoPE adds nothing.
+   - vanilla: the learned table P[:T] d^-1/2 added to the input; layer 0 then runs the plain way
+     (its input is no longer a function of the token alone, so point 3 does not apply).
+   - RoPE: the first d_head columns of q and k rotated by position after the projections (the
+     content-factor columns are not rotated, as in the readable model); the last layer runs the plain
+     way (point 4's re-association does not pass through a rotation between q_i and k_j); the hand
+     backward applies the inverse rotation to dq and dk.
+   Against ``vmap`` of the readable model, per run-step (docs/PERFORMANCE.md): ~2x for the bias
+   schemes and NoPE, 1.2-1.4x for vanilla, 1.1-1.4x for RoPE.
 
-Supported: the soft-prior model with no static positional scheme or an additive / empty one (the
-soft_* baselines and every path; nope, alibi, t5, kerple, kerple_power, fire), token and vector
-tasks, any gate granularity. Anything else (rotary, absolute and contextual schemes, active hooks)
-goes through the readable model (``supports``).
+Supported: the soft-prior model with no static positional scheme or one of nope, alibi, t5, kerple,
+kerple_power, fire, vanilla, rope (the soft_* baselines and every path), token and vector tasks, any
+gate granularity. Anything else (the contextual schemes CoPE, DAPE, GPSA; active hooks) goes through
+the readable model (``supports``).
 """
 
 from __future__ import annotations
@@ -74,70 +82,111 @@ __all__ = ["supports", "fast_forward", "hand_forward", "stacked_params", "model_
 
 def supports(cfg: ModelConfig) -> bool:
     """Whether ``fast_forward`` computes this model (else use the readable model): no static scheme,
-    or one that only adds a bias to the logits (ALiBi, T5, Kerple, FIRE) or does nothing (NoPE)."""
-    return cfg.positional == "none" or _additive_scheme(cfg.positional) is not None
+    or one the fast path implements (``_scheme_kind``)."""
+    return _scheme_kind(cfg.positional) != "unsupported"
 
 
-def _additive_scheme(name: str):
-    """"bias" for a scheme whose only effect is ``AdditiveBias.adjust_logits``, "none" for the identity
-    scheme (NoPE), None for any other (rotary, absolute, contextual: the readable model computes those)."""
-    from .positional import SCHEMES, AdditiveBias, PositionalScheme
-    cls = SCHEMES[name][0]
-    if any(getattr(cls, f) is not getattr(PositionalScheme, f) for f in ("embed_positions", "rotate", "mix_pattern")):
+def _scheme_kind(name: str) -> str | None:
+    """How the fast path treats a static positional scheme: None (no scheme), "none" (the identity
+    scheme, NoPE), "bias" (a scheme whose only effect is ``AdditiveBias.adjust_logits``: ALiBi, T5,
+    Kerple, FIRE), "absolute" (vanilla's learned table added to the input), "rotary" (RoPE), or
+    "unsupported" (the contextual schemes: the readable model computes those)."""
+    if name == "none":
         return None
-    if cls.adjust_logits is PositionalScheme.adjust_logits:
+    from .positional import SCHEMES, AdditiveBias, LearnedAbsolute, PositionalScheme, RoPE
+    cls = SCHEMES[name][0]
+    changed = {f for f in ("embed_positions", "rotate", "adjust_logits", "mix_pattern")
+               if getattr(cls, f) is not getattr(PositionalScheme, f)}
+    if not changed:
         return "none"
-    return "bias" if cls.adjust_logits is AdditiveBias.adjust_logits else None
+    if changed == {"adjust_logits"} and cls.adjust_logits is AdditiveBias.adjust_logits:
+        return "bias"
+    if changed == {"embed_positions"} and cls is LearnedAbsolute:
+        return "absolute"
+    if changed == {"rotate"} and cls is RoPE:
+        return "rotary"
+    return "unsupported"
 
 
-class _SchemeBias(torch.nn.Module):
-    """A layer's additive scheme as a module whose forward is its bias (H, Tq, T), for ``functional_call``."""
+class _SchemeCall(torch.nn.Module):
+    """One method of a layer's scheme as a module's forward, for ``functional_call``."""
 
-    def __init__(self, scheme):
+    def __init__(self, scheme, method: str):
         super().__init__()
-        self.scheme = scheme
+        self.scheme, self.method = scheme, method
 
-    def forward(self, qpos, kpos):
-        return self.scheme.bias(qpos, kpos)
+    def forward(self, *args):
+        return getattr(self.scheme, self.method)(*args)
 
 
 @lru_cache(maxsize=32)
-def _scheme_module(name: str, H: int, dh: int, d: int, n_ctx: int, layer: int, L: int) -> _SchemeBias:
+def _scheme_module(name: str, method: str, H: int, dh: int, d: int, n_ctx: int, layer: int, L: int) -> _SchemeCall:
     """A template of layer ``layer``'s scheme: its own parameters are never read (``functional_call``
     substitutes the run's); built under a forked RNG so that building it draws nothing from the caller's."""
     from .positional import make_scheme
     with torch.random.fork_rng(devices=[]):
-        return _SchemeBias(make_scheme(name, n_heads=H, d_head=dh, d_model=d, n_ctx=n_ctx, layer=layer, n_layers=L))
+        scheme = make_scheme(name, n_heads=H, d_head=dh, d_model=d, n_ctx=n_ctx, layer=layer, n_layers=L)
+    return _SchemeCall(scheme, method)
 
 
-def _static_bias(params: dict, cfg: ModelConfig, layer: int, K: int, T: int, qpos: tuple[int, ...] | None,
-                 dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """A static additive scheme's bias b_h(i, j) for layer ``layer`` and K runs, [K, H, Tq, T] (queries
-    ``qpos``, all if None), from the run-stacked scheme parameters (``blocks.{l}.attn.scheme.*``); None
-    when the model has no such scheme. Added to the logits before the mask as the readable model's
-    ``AdditiveBias.adjust_logits`` does (its gradient reaches the scheme's parameters through autograd)."""
-    if cfg.positional == "none" or _additive_scheme(cfg.positional) != "bias":
-        return None
-    mod = _scheme_module(cfg.positional, cfg.n_heads, cfg.d_head, cfg.d_model, cfg.n_ctx, layer, cfg.n_layers)
-    kpos = torch.arange(T, device=device)
-    q = kpos if qpos is None else torch.tensor(qpos, device=device)
+def _scheme_eval(params: dict, cfg: ModelConfig, layer: int, K: int, method: str, *args) -> torch.Tensor:
+    """``scheme.method(*args)`` of layer ``layer``'s scheme for each of K runs, from the run-stacked
+    scheme parameters (``blocks.{layer}.attn.scheme.*``): [K, ...] (vmapped over the runs)."""
+    mod = _scheme_module(cfg.positional, method, cfg.n_heads, cfg.d_head, cfg.d_model, cfg.n_ctx, layer, cfg.n_layers)
     pre = f"blocks.{layer}.attn."
     sub = {n[len(pre):]: p for n, p in params.items() if n.startswith(pre + "scheme.")}
-    if not sub:  # no parameters (ALiBi): the same bias for every run
-        b = mod(q, kpos)[None].expand(K, -1, -1, -1)
-    elif K == 1:
-        b = functional_call(mod, {n: p[0] for n, p in sub.items()}, (q, kpos))[None]
-    else:
-        b = vmap(lambda p: functional_call(mod, p, (q, kpos)))(sub)
-    return b.to(dtype)
+    if not sub:  # no parameters (ALiBi): the same value for every run
+        out = mod(*args)
+        return out[None].expand(K, *out.shape)
+    if K == 1:
+        return functional_call(mod, {n: p[0] for n, p in sub.items()}, args)[None]
+    return vmap(lambda p: functional_call(mod, p, args))(sub)
+
+
+def _few(cfg: ModelConfig, P: int, T: int) -> bool:
+    """Whether the last layer runs re-associated at the P loss positions (point 4): while few
+    positions carry loss, and never under RoPE (a rotation between q_i and k_j does not move onto n)."""
+    return 2 * P <= T and _scheme_kind(cfg.positional) != "rotary"
 
 
 def _biases(params: dict, cfg: ModelConfig, K: int, T: int, pos: tuple[int, ...], dtype, device) -> list:
-    """Per layer, the static scheme's bias at the queries that layer computes (all T, or the loss
-    positions for a last layer on the re-associated path), or None."""
-    few = 2 * len(pos) <= T
-    return [_static_bias(params, cfg, l, K, T, pos if (l == cfg.n_layers - 1 and few) else None, dtype, device)
+    """Per layer, a static additive scheme's bias b_h(i, j), [K, H, Tq, T], at the queries that layer
+    computes (all T, or the loss positions for a re-associated last layer), or None (no such scheme).
+    Added to the logits before the mask, as the readable model's ``AdditiveBias.adjust_logits`` adds
+    it; its gradient reaches the scheme's parameters through autograd."""
+    if _scheme_kind(cfg.positional) != "bias":
+        return [None] * cfg.n_layers
+    kpos = torch.arange(T, device=device)
+    qpos = torch.tensor(pos, device=device) if _few(cfg, len(pos), T) else kpos
+    return [_scheme_eval(params, cfg, l, K, "bias", qpos if l == cfg.n_layers - 1 else kpos, kpos).to(dtype)
             for l in range(cfg.n_layers)]
+
+
+def _absolute(params: dict, cfg: ModelConfig, K: int, T: int, dtype) -> torch.Tensor | None:
+    """vanilla's position embedding P[:T] * d^-1/2 for K runs, [K, T, d] (layer 0's scheme owns the
+    table), added to the input as the readable model adds ``embed_positions``; None for other schemes."""
+    if _scheme_kind(cfg.positional) != "absolute":
+        return None
+    return _scheme_eval(params, cfg, 0, K, "embed_positions", T).to(dtype)
+
+
+def _rope_tables(cfg: ModelConfig, T: int, dtype, device):
+    """RoPE's (cos, sin) at positions 0..T-1, [T, d_head / 2] each (the scheme's own ``angles``), or None."""
+    if _scheme_kind(cfg.positional) != "rotary":
+        return None
+    scheme = _scheme_module(cfg.positional, "rotate", cfg.n_heads, cfg.d_head, cfg.d_model, cfg.n_ctx, 0,
+                            cfg.n_layers).scheme
+    cos, sin = scheme.angles(torch.arange(T, device=device), device)
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dh: int) -> torch.Tensor:
+    """RoPE's rotation (split halves) of the first dh columns of x [N, T, e] (the q or k part; the
+    content-factor columns after them are not rotated, as in the readable model). With -sin it is the
+    inverse rotation R^T, which is also the backward of the rotation."""
+    half = dh // 2
+    x1, x2 = x[..., :half], x[..., half:dh]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., dh:]], dim=-1)
 
 
 def stacked_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -294,7 +343,9 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     P = len(pos)
     off_all, mask_all = _geometry(T, cfg.n_ctx, None, inputs.device)
     off_q, mask_q = _geometry(T, cfg.n_ctx, pos, inputs.device)
-    static = _biases(params, cfg, K, T, pos, params["blocks.0.attn.in_proj.weight"].dtype, inputs.device)
+    dtype = params["blocks.0.attn.in_proj.weight"].dtype
+    static = _biases(params, cfg, K, T, pos, dtype, inputs.device)
+    pe, rot = _absolute(params, cfg, K, T, dtype), _rope_tables(cfg, T, dtype, inputs.device)  # point 7
 
     if tokens:
         E = params["embed.weight"]  # [K, V, d]
@@ -304,12 +355,14 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     else:
         x = torch.baddbmm(params["read_in.bias"].unsqueeze(1), inputs.reshape(K, B * T, -1),
                           params["read_in.weight"].transpose(1, 2)).view(K, B, T, d)
+    if pe is not None:  # vanilla: layer 0 then sees token + position, so it runs the plain way
+        x = x + pe[:, None]
     x = x.reshape(K, B * T, d)
 
     # the last layer computes queries at the loss positions only, re-associated onto n (point 4): a
     # saving while few positions carry loss; with loss on most positions (Markov ``loss_on="determined"``,
     # P = T) the re-associated products cost ~3x a plain layer, so that layer runs the plain way
-    few = 2 * P <= T
+    few = _few(cfg, P, T)
     for l in range(L):
         pre = f"blocks.{l}."
         W = params[pre + "attn.in_proj.weight"]  # [K, 3d + 2Hr, d]
@@ -318,7 +371,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
         table = params[pre + "attn.pos_bias"]  # [K, H, n_ctx]
         gp, gc = g_pos[:, l], g_content[:, l]  # [K, H]
         if l < L - 1 or not few:
-            if l == 0 and tokens:
+            if l == 0 and tokens and pe is None:
                 # layer 0 sees token embeddings only (point 3): LN(E) W^T for the V vocabulary rows
                 # with all in_proj rows in per-head order, scaled, laid out [K, H, V, .], gathered by token
                 W_p, scale = _per_head_rows(W, gc, d, H, dh, r)
@@ -342,6 +395,8 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             bias = _pos_bias(table, gp, off_all, mask_all)
             if static[l] is not None:
                 bias = bias + static[l]
+            if rot is not None:
+                qe, ke = _rope(qe, *rot, dh), _rope(ke, *rot, dh)
             z = _Attention.apply(qe, ke, v, bias)  # [K*H*B, T, dh]
             z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
             x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 5)
@@ -409,6 +464,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
 
 _BACKWARDS = ("autograd", "hand")
 _STATIC = "static_bias."  # the hand path's name of layer l's static scheme bias (an input of ``_Whole``)
+_ABS = "absolute_positions"  # and of vanilla's position embedding [K, T, d]
 
 
 def _backward_mode(backward: str | None) -> str:
@@ -479,7 +535,10 @@ def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
     off_all, mask_all = _geometry(T, cfg.n_ctx, None, dev)
     off_q, mask_q = _geometry(T, cfg.n_ctx, pos, dev)
     pos_t = torch.tensor(pos, device=dev)
-    S = dict(K=K, B=B, T=T, P=P, tokens=tokens, pos_t=pos_t, off_all=off_all, off_q=off_q, layers=[])
+    absolute = _ABS in params
+    rot = _rope_tables(cfg, T, params["blocks.0.attn.in_proj.weight"].dtype, dev)
+    S = dict(K=K, B=B, T=T, P=P, tokens=tokens, pos_t=pos_t, off_all=off_all, off_q=off_q, layers=[],
+             absolute=absolute, rot=rot)
     if tokens:
         E = params["embed.weight"]  # [K, V, d]
         V = E.shape[1]
@@ -490,7 +549,9 @@ def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
         xin = inputs.reshape(K, B * T, -1)
         x = torch.baddbmm(params["read_in.bias"].unsqueeze(1), xin, params["read_in.weight"].transpose(1, 2))
         S["xin"] = xin
-    few = 2 * P <= T
+    if absolute:
+        x = (x.view(K, B, T, d) + params[_ABS][:, None]).view(K, B * T, d)
+    few = _few(cfg, P, T)
     S["few"] = few
     for l in range(L):
         pre = f"blocks.{l}."
@@ -505,7 +566,7 @@ def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
         S["layers"].append(st)
         if l < L - 1 or not few:
             tb = table[:, :, off_all]  # [K, H, T, T]
-            if l == 0 and tokens:
+            if l == 0 and tokens and not absolute:
                 nE, mE, rE = _ln_fwd(E)
                 rows = torch.addcmul(ln_b[:, None, :], nE, ln_w[:, None, :])  # [K, V, d]
                 tab = torch.bmm(rows, Ws.transpose(1, 2))  # [K, V, H*w]
@@ -525,6 +586,8 @@ def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
                           for a, b in ((0, e), (e, 2 * e), (2 * e, w)))
                 del y
                 st.update(kind="plain", x=x, n=n, mean=mean, rstd=rstd, A=A)
+            if rot is not None:  # RoPE: q and k rotated by position (the backward reads the rotated ones)
+                g = (_rope(g[0], *rot, dh), _rope(g[1], *rot, dh), g[2])
             qe, ke, v = g
             s = torch.bmm(qe, ke.transpose(1, 2)).view(K, H, B, T, T)
             s.add_(_with_static(torch.addcmul(mask_all, gp[:, :, None, None], tb), params, l).unsqueeze(2))
@@ -654,7 +717,10 @@ def _hand_backward(S, cfg, dout):
             dtab, dgp[:, l] = _bias_bwd(dbias, st["tb"], st["gp"], S["off_all"], cfg.n_ctx)
             grads[f"{_STATIC}{l}"] = dbias
             # dq, dk, dv, each written straight to its place (no concatenation of activation gradients)
-            pieces = ((0, e, lambda: torch.bmm(ds, ke)), (e, 2 * e, lambda: torch.bmm(ds.transpose(1, 2), qe)),
+            rot = S["rot"]
+            unrot = (lambda t: t) if rot is None else (lambda t: _rope(t, rot[0], -rot[1], dh))  # R^T
+            pieces = ((0, e, lambda: unrot(torch.bmm(ds, ke))),
+                      (e, 2 * e, lambda: unrot(torch.bmm(ds.transpose(1, 2), qe))),
                       (2 * e, w, lambda: torch.bmm(p.transpose(1, 2), dz)))
             if st["kind"] == "vocab":
                 V = S["V"]
@@ -688,6 +754,8 @@ def _hand_backward(S, cfg, dout):
         grads[pre + "attn.out_proj.weight"] = dW_out
         grads[pre + "attn.pos_bias"] = dtab
         dx = dx_new
+    if S["absolute"]:
+        grads[_ABS] = dx.view(K, B, T, d).sum(1)
     if tokens:
         V = S["V"]
         dE += dx.new_zeros(K * V, d).index_add_(0, S["idx"], dx.reshape(-1, d)).view(K, V, d)
@@ -725,5 +793,8 @@ def hand_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     # a static scheme's bias enters as one more input (computed here, in autograd, from the scheme's
     # parameters); the hand backward returns its gradient, dbias
     params = {**params, **{f"{_STATIC}{l}": b for l, b in enumerate(static) if b is not None}}
+    pe = _absolute(params, cfg, K, T, params["blocks.0.attn.in_proj.weight"].dtype)
+    if pe is not None:  # vanilla's position embedding: one more input, its gradient dx summed over the batch
+        params[_ABS] = pe
     names = tuple(params)
     return _Whole.apply(cfg, inputs, pos, names, g_pos, g_content, *(params[n] for n in names))

@@ -32,11 +32,17 @@ class RoPE(PositionalScheme):
             raise ValueError(f"rope needs an even head dimension, got d_head={self.d_head}")
         self.base = base
 
+    def angles(self, pos: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of t w_k at positions ``pos``, each (T, dh/2), float32 (also read by the fast path)."""
+        half = self.d_head // 2
+        inv_freq = self.base ** (-torch.arange(half, device=device, dtype=torch.float32) * 2 / self.d_head)
+        angle = pos.to(device=device, dtype=torch.float32)[:, None] * inv_freq  # (T, dh/2)
+        return angle.cos(), angle.sin()
+
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         half = self.d_head // 2
-        inv_freq = self.base ** (-torch.arange(half, device=x.device, dtype=torch.float32) * 2 / self.d_head)
-        angle = pos.to(device=x.device, dtype=torch.float32)[:, None] * inv_freq  # (T, dh/2)
-        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        cos, sin = self.angles(pos, x.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
