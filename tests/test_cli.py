@@ -283,8 +283,11 @@ def test_bench_json_reports_the_issue_figures(capsys):
     assert main(["bench", "--quick", "--json", "--group", "2", "--sweep", "2", "--sweep-steps", "20"]) == 0
     assert denormals_flushed() == flushed_before
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("gemm_gflops", "single_ms_per_step", "group_ms_per_run_step", "reference_ms_per_step", "mfu"):
+    for key in ("gemm_gflops", "single_ms_per_step", "group_ms_per_run_step", "reference_ms_per_step", "mfu",
+                "large_single_ms_per_step", "large_reference_ms_per_step"):
         assert res[key] > 0, key
+    assert res["speedup_large"] == pytest.approx(
+        res["large_reference_ms_per_step"] / res["large_single_ms_per_step"], rel=1e-2)
     assert res["speedup_single"] == pytest.approx(res["reference_ms_per_step"] / res["single_ms_per_step"], rel=1e-2)
     assert res["sweep_runs"] == 2 and res["sweep_reference_seconds"] == pytest.approx(
         2 * 20 * res["reference_ms_per_step"] / 1e3, rel=1e-2)

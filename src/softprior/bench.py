@@ -169,6 +169,7 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     mfu = flops / (single / 1e3) / (gemm * 1e9)
     log(f"single base run: {single:.2f} ms/step at {o_th} thread(s) (MFU {mfu:.1%});  plain reference: "
         f"{reference:.2f} ms/step at {r_th} thread(s);  speed-up {reference / single:.2f}x")
+    large_single, large_ref, large_th = _large_line(ref_mod, quick, thread_counts, log)
     steps = 30 if quick else 100
     cfgs = [make_run_config("assoc_recall", "fade600" if k % 2 else "unforced", k, steps=steps, eval_every=10 ** 6,
                             n_val=64) for k in range(group_size)]
@@ -197,10 +198,29 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
             "mfu": round(mfu, 4), "reference_mfu": round(flops / (reference / 1e3) / (gemm * 1e9), 4),
             "speedup_single": round(reference / single, 3), "speedup_group": round(reference / group, 3),
             "threads": o_th, "reference_threads": r_th, **settings,
+            "large_single_ms_per_step": round(large_single, 3), "large_reference_ms_per_step": round(large_ref, 3),
+            "speedup_large": round(large_ref / large_single, 3), "large_threads": large_th,
             "by_threads": {str(th): {"single_ms": round(o, 3), "reference_ms": round(r, 3),
                                      "single_ms_samples": [round(x, 3) for x in samples[th][0]],
                                      "reference_ms_samples": [round(x, 3) for x in samples[th][1]]}
                            for th, (o, r) in med.items()}}
+
+
+def _large_line(ref_mod, quick: bool, thread_counts, log) -> tuple[float, float, dict]:
+    """The large preset (4 layers, d_model 128) against the plain reference built at the same size,
+    alternating, each at its faster thread count: (ours ms/step, reference ms/step, threads of each)."""
+    from .config import make_run_config
+    cfg = make_run_config("assoc_recall", "unforced", 0, model="large")
+    m = cfg.model
+    ref, _ = ref_mod.make_reference_step(d=m.d_model, H=m.n_heads, L=m.n_layers, batch=cfg.batch_size, T=m.n_ctx,
+                                         vocab=m.vocab)
+    samples = _alternate(_our_step(cfg), ref, 5 if quick else 20, 2 if quick else 5, thread_counts)
+    med = {th: (statistics.median(o), statistics.median(r)) for th, (o, r) in samples.items()}
+    o_th, r_th = min(med, key=lambda th: med[th][0]), min(med, key=lambda th: med[th][1])
+    ours, ref_ms = med[o_th][0], med[r_th][1]
+    log(f"single large run: {ours:.2f} ms/step at {o_th} thread(s);  plain reference at the large size: "
+        f"{ref_ms:.2f} ms/step at {r_th} thread(s);  speed-up {ref_ms / ours:.2f}x")
+    return ours, ref_ms, {"ours": o_th, "reference": r_th}
 
 
 def _load_reference():
