@@ -6,6 +6,7 @@ below; the model wrappers against finite differences of gradients the tests comp
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -251,6 +252,29 @@ def test_trace_on_a_fade_tracks_only_where_the_gate_moves():
                                            / float(g.norm()), rel=1e-4)
 
 
+def test_traces_measured_by_two_worker_processes_equal_the_serial_ones():
+    from softprior.train import train
+    cfg = make_run_config("assoc_recall", "fade10", steps=30, snapshot_every=10, eval_every=10, n_val=32,
+                          batch_size=16)
+    res = train(cfg)
+    kw = dict(n_examples=32, max_iter=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers measure at one thread, as a report does
+    try:
+        specs = [dict(snapshots=res.snapshots, cfg=cfg, circuit=[(0, 0), (1, 3)], **kw),
+                 dict(snapshots=[], cfg=cfg, circuit=[(0, 0)], **kw),  # a run without snapshots: an empty frame
+                 dict(snapshots=res.snapshots[1:], cfg=cfg, circuit=[(1, 0)], step_offset=5, **kw)]
+        serial = C.continuation_traces(specs)
+        parallel = C.continuation_traces(specs, workers=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert list(parallel[0]["step"]) == [0, 10, 20, 30] and parallel[0]["tracking_cos"][1:3].notna().all()
+    assert parallel[1].empty and list(parallel[2]["step"]) == [15, 25, 35]
+    for a, b in zip(serial, parallel):
+        if not a.empty:
+            pd.testing.assert_frame_equal(a.drop(columns="seconds"), b.drop(columns="seconds"), check_exact=True)
+
+
 def test_continuation_trace_experiment_end_to_end(tmp_path):
     from softprior.executors import execute
     from softprior.experiments import Options, get_experiment
@@ -291,18 +315,19 @@ def test_continuation_trace_experiment_end_to_end(tmp_path):
     assert len(list((tmp_path / "s" / "analysis_cache").glob("continuation_*.csv"))) == len(cells)
     def boom(*a, **k):
         raise AssertionError("recomputed a cached trace")
-    orig, cont.continuation_trace = cont.continuation_trace, boom
+    orig, origs = cont.continuation_trace, cont.continuation_traces
+    cont.continuation_trace = cont.continuation_traces = boom
     try:
         assert write_report(store, exp, cells, tmp_path / "out2") == md
     finally:
-        cont.continuation_trace = orig
+        cont.continuation_trace, cont.continuation_traces = orig, origs
     # and the cache keeps every bit: one run's trace computed, then read back
-    from softprior.analysis.reports import _cached_trace
+    from softprior.analysis.reports import _cached_traces
     c = next(c for c in cells if c.row == "unforced")
     kw = dict(n_examples=32, damping=1e-3, max_iter=5, method="minres", step_offset=0)
-    computed = _cached_trace(store, c.cfg, [(0, 1)], **kw)
+    computed = _cached_traces(store, [(c.cfg, [(0, 1)], kw)])[0]
     assert not computed.empty
-    pd.testing.assert_frame_equal(_cached_trace(store, c.cfg, [(0, 1)], **kw), computed, check_exact=True)
+    pd.testing.assert_frame_equal(_cached_traces(store, [(c.cfg, [(0, 1)], kw)])[0], computed, check_exact=True)
     # a run trained again (same run id, other weights: here its files' recorded checksums change) is
     # not served the old trace
     calls = []
@@ -316,7 +341,7 @@ def test_continuation_trace_experiment_end_to_end(tmp_path):
     store.save_result(res)
     cont.continuation_trace = counting
     try:
-        again = _cached_trace(store, c.cfg, [(0, 1)], **kw)
+        again = _cached_traces(store, [(c.cfg, [(0, 1)], kw)])[0]
     finally:
         cont.continuation_trace = orig
     assert calls == [1] and not again["grad_norm"].equals(computed["grad_norm"])

@@ -598,54 +598,114 @@ def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batc
     The batch is the run's validation set (the first ``n_examples`` of ``cfg.val_seed`` at length
     ``cfg.model.n_ctx``), the same for every snapshot; gates are the path's (``path_gates``).
     ``step_offset`` is added to the reported steps (a post hoc continuation starts at its parent's end).
+    ``continuation_traces`` measures several runs' traces in worker processes.
     """
-    import time
-
     import pandas as pd
 
-    from ..tasks import make_task
-    from . import _strip_state
-
-    task = task if task is not None else make_task(cfg.task)
-    if batch is None:
-        batch = cfg.validation_batch(task, n=n_examples)
-    with torch.random.fork_rng(devices=[]):
-        model = SoftPriorTransformer(cfg.model)
-    model.eval()
-    layout = ParamLayout.from_model(model)
-    snaps = sorted(((int(s), _strip_state(sd)) for s, sd in snapshots), key=lambda x: x[0])
+    snaps = sorted(((int(s), sd) for s, sd in snapshots), key=lambda x: x[0])
     if not snaps:
         return pd.DataFrame()
-    mask = circuit_mask(layout, cfg.model, circuit)
-    eligible = zero_gate_mask(layout, cfg.model)
-    heads = _as_heads(circuit)
-    others = [(l, h) for l in range(cfg.model.n_layers) for h in range(cfg.model.n_heads)
-              if heads is not None and (l, h) not in heads]
-    other_masks = [circuit_mask(layout, cfg.model, [x]) for x in others]
-    thetas = [layout.flatten(sd) for _, sd in snaps]
-    total = cfg.total_steps
-    gates = [path_gates(cfg.path, s, total, sd) for s, sd in snaps]
-    learned = (cfg.path.pos.mode == "learned", cfg.path.content.mode == "learned")
-    rows = []
-    for i, (step, sd) in enumerate(snaps):
+    ctx = _TraceContext(snaps, cfg, circuit, batch, n_examples, damping, max_iter, method, n_control, step_offset,
+                        task)
+    return pd.DataFrame([ctx.row(i) for i in range(len(snaps))])
+
+
+def continuation_traces(specs: Sequence[dict], workers: int = 1) -> list:
+    """``continuation_trace(**spec)`` for each spec (its keyword arguments), in order.
+
+    ``workers`` > 1: every snapshot of every run is one task for a pool of that many spawned processes
+    at one torch thread each (a snapshot's row depends only on the run's snapshots, so the rows are
+    independent); the costly tasks start first (rows with a tangent, the larger models first), so the
+    workers finish together. The numbers equal a serial trace's at one thread; only ``seconds`` differs."""
+    import pandas as pd
+    if workers <= 1:
+        return [continuation_trace(**s) for s in specs]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    ctxs = [_TraceContext.of(s) for s in specs]  # here only to order the tasks
+    tasks = [(j, i) for j, c in enumerate(ctxs) if c is not None for i in range(len(c.snaps))]
+    tasks.sort(key=lambda t: (not ctxs[t[0]].has_tangent(t[1]), -ctxs[t[0]].thetas[0].numel()))
+    rows: dict = {}
+    if tasks:
+        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=mp.get_context("spawn"),
+                                 initializer=_trace_worker_init, initargs=(list(specs),)) as ex:
+            rows = dict(zip(tasks, ex.map(_trace_worker_row, tasks)))
+    return [pd.DataFrame([rows[(j, i)] for i in range(len(c.snaps))]) if c is not None else pd.DataFrame()
+            for j, c in enumerate(ctxs)]
+
+
+class _TraceContext:
+    """What every row of a continuation trace reads (the model, batch, masks, flattened snapshots and the
+    path's gates); ``row(i)`` measures snapshot i."""
+
+    @classmethod
+    def of(cls, spec: dict) -> "_TraceContext | None":
+        """The context of ``continuation_trace(**spec)`` (None: no snapshots)."""
+        import inspect
+        kw = {k: v.default for k, v in inspect.signature(continuation_trace).parameters.items()
+              if v.default is not inspect.Parameter.empty}
+        kw.update(spec)
+        snaps = sorted(((int(s), sd) for s, sd in kw.pop("snapshots")), key=lambda x: x[0])
+        if not snaps:
+            return None
+        return cls(snaps, kw["cfg"], kw["circuit"], kw["batch"], kw["n_examples"], kw["damping"], kw["max_iter"],
+                   kw["method"], kw["n_control"], kw["step_offset"], kw["task"])
+
+    def __init__(self, snaps, cfg, circuit, batch, n_examples, damping, max_iter, method, n_control, step_offset,
+                 task):
+        from ..tasks import make_task
+        from . import _strip_state
+        self.cfg, self.kw = cfg, dict(damping=damping, max_iter=max_iter, method=method)
+        self.n_control, self.step_offset = n_control, step_offset
+        self.task = task if task is not None else make_task(cfg.task)
+        self.batch = batch if batch is not None else cfg.validation_batch(self.task, n=n_examples)
+        with torch.random.fork_rng(devices=[]):
+            model = SoftPriorTransformer(cfg.model)
+        model.eval()
+        self.model = model
+        layout = ParamLayout.from_model(model)
+        self.snaps = [(s, _strip_state(sd)) for s, sd in snaps]
+        self.mask = circuit_mask(layout, cfg.model, circuit)
+        self.eligible = zero_gate_mask(layout, cfg.model)
+        self.heads = _as_heads(circuit)
+        others = [(l, h) for l in range(cfg.model.n_layers) for h in range(cfg.model.n_heads)
+                  if self.heads is not None and (l, h) not in self.heads]
+        self.other_masks = [circuit_mask(layout, cfg.model, [x]) for x in others]
+        self.thetas = [layout.flatten(sd) for _, sd in self.snaps]
+        self.gates = [path_gates(cfg.path, s, cfg.total_steps, sd) for s, sd in self.snaps]
+        self.learned = (cfg.path.pos.mode == "learned", cfg.path.content.mode == "learned")
+
+    def _gate_change(self, i):
+        g = self.gates
+        return (g[i + 1][0] - g[i][0], g[i + 1][1] - g[i][1]) if i + 1 < len(g) else None
+
+    def has_tangent(self, i) -> bool:
+        w = self._gate_change(i)
+        return w is not None and any(math.isfinite(x) and x != 0.0 for x in w)
+
+    def row(self, i: int) -> dict:
+        import time
         t0 = time.perf_counter()
+        step, sd = self.snaps[i]
+        model, task, batch, gates, thetas = self.model, self.task, self.batch, self.gates, self.thetas
         model.load_state_dict(sd)
-        rs = recovery_signal_fn(*model_loss(model, task, batch, gate=(0.0, 0.0))[:2], mask, eligible, n_control)
-        row = {"step": step + step_offset, "g_pos": gates[i][0], "g_content": gates[i][1], "signal": rs.signal,
+        rs = recovery_signal_fn(*model_loss(model, task, batch, gate=(0.0, 0.0))[:2], self.mask, self.eligible,
+                                self.n_control)
+        row = {"step": step + self.step_offset, "g_pos": gates[i][0], "g_content": gates[i][1], "signal": rs.signal,
                "grad_norm": rs.grad_norm, "share": rs.share, "control_share": rs.control_share,
-               "expected_share": rs.expected_share, "other_heads_share": _other_heads_share(rs, other_masks, heads),
+               "expected_share": rs.expected_share,
+               "other_heads_share": _other_heads_share(rs, self.other_masks, self.heads),
                "solution_cos": solution_cosine(rs.grad, thetas[i], thetas[-1]),
                "dg_pos": float("nan"), "dg_content": float("nan"), "tracking_cos": float("nan"),
                "norm_ratio": float("nan"), "residual": float("nan"), "rel_residual": float("nan"),
                "cg_iters": 0, "negative_curvature": False}
-        if i + 1 < len(snaps):
-            w = (gates[i + 1][0] - gates[i][0], gates[i + 1][1] - gates[i][1])
+        w = self._gate_change(i)
+        if w is not None:
             row["dg_pos"], row["dg_content"] = w
-            if any(math.isfinite(x) and x != 0.0 for x in w):
+            if self.has_tangent(i):
                 w = tuple(x if math.isfinite(x) else 0.0 for x in w)
-                at = tuple(None if lrn else g for lrn, g in zip(learned, gates[i]))  # learned: the model's own
-                tg = optimum_tangent(model, task, batch, gate=at, direction=w, damping=damping,
-                                     max_iter=max_iter, method=method)
+                at = tuple(None if lrn else g for lrn, g in zip(self.learned, gates[i]))  # learned: the model's own
+                tg = optimum_tangent(model, task, batch, gate=at, direction=w, **self.kw)
                 delta = thetas[i + 1] - thetas[i]
                 row.update(tracking_cos=_cos(tg.tangent, delta),
                            norm_ratio=float(torch.linalg.vector_norm(tg.tangent) / torch.linalg.vector_norm(delta))
@@ -653,5 +713,20 @@ def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batc
                            residual=tg.residual, rel_residual=tg.rel_residual, cg_iters=tg.iterations,
                            negative_curvature=tg.negative_curvature)
         row["seconds"] = time.perf_counter() - t0
-        rows.append(row)
-    return pd.DataFrame(rows)
+        return row
+
+
+_WORKER: dict = {}  # a trace worker's specs, and the contexts built from them as its tasks need them
+
+
+def _trace_worker_init(specs):
+    torch.set_num_threads(1)
+    _WORKER.clear()
+    _WORKER["specs"] = specs
+
+
+def _trace_worker_row(task: tuple[int, int]) -> dict:
+    j, i = task
+    if j not in _WORKER:
+        _WORKER[j] = _TraceContext.of(_WORKER["specs"][j])
+    return _WORKER[j].row(i)

@@ -111,7 +111,7 @@ def _ms(vals, digits=3) -> str:
 
 def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_examples: int = 256, max_iter: int = 30,
                         damping: float = 1e-3, method: str = "minres", threshold: float = 0.03,
-                        threads: int | None = 1) -> str:
+                        threads: int | None = 1, workers: int | None = None) -> str:
     """The paper's continuation quantities (``softprior.analysis.continuation``) over every stored
     snapshot of each finished run, a summary table, a verdict paragraph and a figure.
 
@@ -125,34 +125,50 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
 
     ``threads``: torch threads for the measurements (restored after; None leaves them). One, like a
     sweep's workers: on the shared 2-core machine (load ~5) a tangent snapshot took 2.85 s at 1
-    thread and 40.7 s at 2 (docs/PERFORMANCE.md)."""
+    thread and 40.7 s at 2 (docs/PERFORMANCE.md).
+    ``workers``: processes (one thread each) that measure the traces not yet in the store's cache,
+    snapshot by snapshot (``continuation.continuation_traces``; the same numbers); None: one per core."""
+    import os
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    workers = (os.cpu_count() or 1) if workers is None else workers
     try:
-        return _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold)
+        return _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold, workers)
     finally:
         torch.set_num_threads(old_threads)
 
 
 # the modules whose code decides a continuation trace's numbers: a change to any of them recomputes it
-_TRACE_SOURCES = ("analysis/continuation.py", "analysis/__init__.py", "model.py", "fastpath.py", "tasks.py")
+_TRACE_SOURCES = ("analysis/continuation.py", "analysis/__init__.py", "model.py", "tasks.py")
 
 
-def _cached_trace(store, cfg, heads, **kw):
-    """``continuation.continuation_trace`` of a stored run, cached in ``STORE/analysis_cache/`` (one
-    CSV per run, written atomically by the store's own writer) under a key of the run and its files'
-    checksums, the circuit,
-    the settings, torch's version and the source of ``_TRACE_SOURCES``: a second report of the same
-    store reads the numbers back exactly (round-trip floats) instead of recomputing them (~30 s per
-    large-model snapshot). The ``seconds`` column keeps the time the measurement took when it was made."""
+def _cached_traces(store, jobs: list[tuple], workers: int = 1) -> list:
+    """``continuation.continuation_trace`` of stored runs (``jobs``: (cfg, heads, settings) each), cached
+    in ``STORE/analysis_cache/`` (one CSV per run, written atomically by the store's own writer) under a
+    key of the run and its files' checksums, the circuit, the settings, torch's version and the source
+    of ``_TRACE_SOURCES``: a second report of the same store reads the numbers back exactly (round-trip
+    floats) instead of recomputing them (~30 s per large-model snapshot). The runs it must compute are
+    measured together (``continuation.continuation_traces``: with ``workers`` > 1, every snapshot one task
+    of a process pool). The ``seconds`` column keeps the time the measurement took when it was made."""
+    from ..store.files import _atomic_write_bytes
+    from .continuation import continuation_traces
+    files = [_trace_file(store, cfg, heads, kw) for cfg, heads, kw in jobs]
+    out = [_read_trace(f) for f in files]
+    todo = [k for k, df in enumerate(out) if df is None]
+    specs = [dict(snapshots=store.load_snapshots(jobs[k][0].run_id), cfg=jobs[k][0], circuit=jobs[k][1], **jobs[k][2])
+             for k in todo]
+    for k, df in zip(todo, continuation_traces(specs, workers=workers) if todo else []):
+        if not df.empty:
+            files[k].parent.mkdir(exist_ok=True)
+            _atomic_write_bytes(files[k], df.to_csv(index=False).encode())
+        out[k] = df
+    return out
+
+
+def _trace_file(store, cfg, heads, kw) -> Path:
     import hashlib
     import json
-
-    import pandas as pd
-
-    from ..store.files import _atomic_write_bytes
-    from .continuation import continuation_trace
     root = Path(__file__).resolve().parents[1]
     # the run's files as recorded when it was saved (their SHA-256): a retrained run (another engine,
     # ``store verify --repair``) keeps its run id but not its weights, so it misses the cache
@@ -161,28 +177,29 @@ def _cached_trace(store, cfg, heads, **kw):
                                   sort_keys=True).encode())
     for name in _TRACE_SOURCES:
         h.update((root / name).read_bytes())
-    f = Path(store.root) / "analysis_cache" / f"continuation_{cfg.run_id[:16]}_{h.hexdigest()[:16]}.csv"
-    if f.exists():
-        try:
-            # pandas >= 3 parses floats round-trip by default (and deprecates asking for it)
-            exact = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
-            return pd.read_csv(f, **exact)
-        except (OSError, ValueError, pd.errors.ParserError):
-            pass  # unreadable: computed again below
-    df = continuation_trace(store.load_snapshots(cfg.run_id), cfg, heads, **kw)
-    if not df.empty:
-        f.parent.mkdir(exist_ok=True)
-        _atomic_write_bytes(f, df.to_csv(index=False).encode())
-    return df
+    return Path(store.root) / "analysis_cache" / f"continuation_{cfg.run_id[:16]}_{h.hexdigest()[:16]}.csv"
 
 
-def _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold) -> str:
+def _read_trace(f: Path):
+    """A cached trace, or None (absent or unreadable: computed again)."""
+    import pandas as pd
+    if not f.exists():
+        return None
+    try:
+        # pandas >= 3 parses floats round-trip by default (and deprecates asking for it)
+        exact = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
+        return pd.read_csv(f, **exact)
+    except (OSError, ValueError, pd.errors.ParserError):
+        return None
+
+
+def _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold, workers) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from .continuation import circuit_heads, continuation_trace, removal_step
+    from .continuation import circuit_heads, removal_step
     from ..tasks import make_task
 
     done = [c for c in cells if store.is_done(c.cfg.run_id)]
@@ -202,20 +219,20 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
         batch = ref.cfg.validation_batch(task, n=n_examples)
         circuits[key(c)] = (circuit_heads(model, task, batch, threshold), ref.row)
 
-    frames = []
-    for c in done:
-        heads, _ = circuits[key(c)]
+    def offset(c):
         parent = c.cfg.parent()
-        offset = parent.total_steps if parent is not None else 0
-        df = _cached_trace(store, c.cfg, heads, n_examples=n_examples, damping=damping, max_iter=max_iter,
-                           method=method, step_offset=offset)
+        return parent.total_steps if parent is not None else 0
+    jobs = [(c.cfg, circuits[key(c)][0], dict(n_examples=n_examples, damping=damping, max_iter=max_iter,
+                                              method=method, step_offset=offset(c))) for c in done]
+    frames = []
+    for c, df in zip(done, _cached_traces(store, jobs, workers)):
         if df.empty:
             continue
         df.to_csv(out / f"continuation_{c.col or c.cfg.task.name}_{c.row}_seed{c.cfg.seed}.csv".replace("/", "_"),
                   index=False, float_format="%.6g")
         summary = store.summary(c.cfg.run_id)
         df = df.assign(task=c.cfg.task.name, col=c.col or c.cfg.task.name, row=c.row, seed=c.cfg.seed,
-                       model=c.cfg.model.d_model, removal=offset + removal_step(c.cfg.path, c.cfg.total_steps),
+                       model=c.cfg.model.d_model, removal=offset(c) + removal_step(c.cfg.path, c.cfg.total_steps),
                        zero_metric=summary[f"zero_{summary['metric']}"], metric=summary["metric"])
         frames.append(df)
     if not frames:
