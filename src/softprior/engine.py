@@ -3,9 +3,9 @@
 The training loop itself is ``train.train_runs`` (``train.Runs``: the K runs' parameters stacked on a
 leading run dimension, one step and one evaluation for all of them); ``train.train`` is the same
 loop with K = 1, so a run's per-step rules (gates, prior dropout, dual loss, clipping, logging)
-exist once. The soft-prior model without a static positional scheme runs through
-``fastpath.fast_forward``, written for the run dimension; the static schemes apply the readable
-model with ``torch.func.vmap(functional_call(...))``. Either way every op runs once per step for
+exist once. Every model ``fastpath.supports`` (no static scheme, or a bias, absolute or rotary one)
+runs through ``fastpath.fast_forward``, written for the run dimension; the contextual schemes apply
+the readable model with ``torch.func.vmap(functional_call(...))``. Either way every op runs once per step for
 all K runs, so the per-op overhead that dominates a tiny model is paid once, not K times. On a GPU
 the same code path trains a whole sweep in a few kernels per op.
 

@@ -147,9 +147,10 @@ class Runs:
     generators, and the one training step (``step``) and evaluation (``evaluate``) that ``train``
     and ``engine.train_group`` both use.
 
-    Forward: the soft-prior model without a static positional scheme goes through
-    ``fastpath.fast_forward``, written for the run dimension (a test holds it to the readable
-    ``model.py``); the static schemes apply the readable model with ``vmap(functional_call(...))``.
+    Forward: ``fastpath.fast_forward``, written for the run dimension (a test holds it to the readable
+    ``model.py``), for every model it supports (no static scheme, or nope, alibi, t5, kerple,
+    kerple_power, fire, vanilla, rope); the contextual schemes (cope, dape, gpsa) apply the readable
+    model with ``vmap(functional_call(...))``.
     What stays per run (the per-step rules above): the data (each run's own generator), the gates
     (``step_gates``, ``prior_dropped``; a learned gate is the run's own sigmoid(logit)), the dual
     loss (a per-run 0/1 weight) and gradient clipping (the global norm of the run's own slice of
@@ -190,7 +191,7 @@ class Runs:
                 return fastpath.fast_forward(p, c0.model, inputs, gp, gc, loss_pos)
             self.forward = self.forward_val = batched
             self.shared_inputs = self.K == 1
-        else:  # static positional schemes: the readable model, vmapped over the runs
+        else:  # the contextual schemes: the readable model, vmapped over the runs
             def fwd(p, inputs, gp, gc):
                 return functional_call(self.base, p, (inputs, gp, gc), {"positions": loss_pos})
             self.forward = vmap(fwd, in_dims=(0, 0, 0, 0))
