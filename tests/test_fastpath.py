@@ -249,3 +249,15 @@ def test_static_schemes_on_the_fast_path_match_the_readable_model(baseline, task
         else:
             assert not scheme
 
+
+
+@pytest.mark.parametrize("baseline", FAST_SCHEMES)
+def test_static_schemes_beyond_the_training_length_match_the_readable_model(baseline):
+    """The length test evaluates at T = 120 > n_ctx through ``model_forward``: each scheme's own rule
+    beyond the training length (T5's clipped buckets, vanilla's extra rows, RoPE's new angles) holds."""
+    cfgs, models = _scheme_models("assoc_recall", baseline, n_runs=1)
+    m = models[0]
+    tokens = torch.randint(0, m.cfg.vocab, (4, 120), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([119])
+    with torch.no_grad():
+        assert torch.allclose(model_forward(m, tokens, None, None, pos), m(tokens, positions=pos), rtol=1e-5, atol=1e-5)
