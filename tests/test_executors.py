@@ -236,6 +236,16 @@ def test_jobs_are_balanced_groups_longest_first():
     assert jobs[0][0].model.n_layers == 4
 
 
+def test_jobs_off_the_fast_path_are_scheduled_as_the_costlier_ones():
+    # same shapes and group sizes: DAPE (readable model, its MLP over every (i, j)) before GPSA (readable
+    # model) before ALiBi (fast path), so the slowest groups do not end a sweep running alone
+    from softprior.config import make_run_config
+    from softprior.executors import _jobs
+    cfgs = [make_run_config("assoc_recall", seed=s, baseline=b, steps=40, calibrated=False)
+            for b in ("alibi", "gpsa", "dape") for s in range(2)]
+    assert [j[0].model.positional for j in _jobs(cfgs, 2)] == ["dape", "gpsa", "alibi"]
+
+
 def test_auto_group_size_is_the_smallest_near_best_k_and_leaves_every_worker_a_group():
     from softprior.executors import choose_group_size
     scaling = {1: 10.0, 2: 8.0, 4: 6.2, 8: 6.0, 16: 7.0}

@@ -316,10 +316,20 @@ def _jobs(cfgs: list[RunConfig], group_size: int | dict[str, int], kept: list[li
     return sorted(jobs, key=_job_cost, reverse=True)
 
 
+# a step of a model the fast path does not compute (the contextual schemes, through vmap of the readable
+# model) against a fast-path step of the same size, from the static_baselines sweeps (worker seconds per
+# Markov run in groups of 3, sixth session): DAPE's MLP over every (i, j) and CoPE's gates cost the most
+READABLE_STEP_COST = {"dape": 5.7, "cope": 3.3}
+READABLE_STEP_COST_DEFAULT = 2.2
+
+
 def _job_cost(job: list[RunConfig]) -> float:
-    """A relative cost estimate for scheduling: steps x runs x layers x width^2 x context."""
+    """A relative cost estimate for scheduling: steps x runs x layers x width^2 x context, times the
+    measured factor of a step off the fast path (``READABLE_STEP_COST``)."""
+    from .fastpath import supports
     m = job[0].model
-    return job[0].total_steps * len(job) * m.n_layers * m.d_model ** 2 * m.n_ctx
+    factor = 1.0 if supports(m) else READABLE_STEP_COST.get(m.positional, READABLE_STEP_COST_DEFAULT)
+    return job[0].total_steps * len(job) * m.n_layers * m.d_model ** 2 * m.n_ctx * factor
 
 
 def sweep_plan(cfgs: list[RunConfig], store: RunStore, group_size: int | str,
