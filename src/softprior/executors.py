@@ -317,10 +317,11 @@ def _jobs(cfgs: list[RunConfig], group_size: int | dict[str, int], kept: list[li
 
 
 # a step of a model the fast path does not compute (the contextual schemes, through vmap of the readable
-# model) against a fast-path step of the same size, from the static_baselines sweeps (worker seconds per
-# Markov run in groups of 3, sixth session): DAPE's MLP over every (i, j) and CoPE's gates cost the most
-READABLE_STEP_COST = {"dape": 5.7, "cope": 3.3}
-READABLE_STEP_COST_DEFAULT = 2.2
+# model) against a fast-path step of the same size: worker seconds per group of 3 in the static_baselines
+# sweeps (readable: fourth session; fast path: sixth), averaged over assoc, Markov and linear ICL. DAPE's
+# MLP over every (i, j) and CoPE's gates cost the most; GPSA (the default) ~1.5x
+READABLE_STEP_COST = {"dape": 5.3, "cope": 3.0}
+READABLE_STEP_COST_DEFAULT = 1.5
 
 
 def _job_cost(job: list[RunConfig]) -> float:
