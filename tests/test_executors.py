@@ -253,6 +253,11 @@ def test_auto_group_size_is_the_smallest_near_best_k_and_leaves_every_worker_a_g
     assert choose_group_size(6, 2, scaling) == 3  # an equal share per worker: both work
     assert choose_group_size(1, 2, scaling) == 1
     assert choose_group_size(1000, 1, {1: 5.0, 2: 9.0}) == 1  # where grouping does not pay, no groups
+    # the README's main job (9 runs, 2 workers) on a table where K = 4 is within 5% of the best: K = 4 would
+    # make three groups of 3 (two rounds); K = 5 makes two groups (5, 4) that train at once
+    assert choose_group_size(9, 2, {1: 6.0, 2: 6.08, 4: 5.63, 8: 5.51, 16: 5.65}) == 5
+    # the large model, where grouping only costs: alone, even for 3 runs on 2 workers
+    assert choose_group_size(3, 2, {1: 45.8, 2: 48.6, 4: 50.6, 6: 48.2}) == 1
 
 
 def test_auto_group_size_is_chosen_per_model_size(monkeypatch):
