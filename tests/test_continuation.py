@@ -265,9 +265,14 @@ def test_traces_measured_by_two_worker_processes_equal_the_serial_ones():
                  dict(snapshots=[], cfg=cfg, circuit=[(0, 0)], **kw),  # a run without snapshots: an empty frame
                  dict(snapshots=res.snapshots[1:], cfg=cfg, circuit=[(1, 0)], step_offset=5, **kw)]
         serial = C.continuation_traces(specs)
-        parallel = C.continuation_traces(specs, workers=2)
+        seen = []
+        parallel = C.continuation_traces(specs, workers=2, on_trace=lambda j, df: seen.append((j, len(df))))
+        for workers in (1, 2):  # a misspelt setting raises in both modes (not a silent default)
+            with pytest.raises(TypeError):
+                C.continuation_traces([dict(specs[0], dampng=1.0)], workers=workers)
     finally:
         torch.set_num_threads(threads)
+    assert sorted(seen) == [(0, 4), (1, 0), (2, 3)]  # each run reported once, as soon as it was complete
     assert list(parallel[0]["step"]) == [0, 10, 20, 30] and parallel[0]["tracking_cos"][1:3].notna().all()
     assert parallel[1].empty and list(parallel[2]["step"]) == [15, 25, 35]
     for a, b in zip(serial, parallel):

@@ -290,12 +290,15 @@ def _continuation_cells(o: Options, models=("base",)) -> list[Cell]:
 
 def _continuation_analysis(store, cells, out_dir):
     """The first min(256, n_val) validation examples, at most 30 H-vector products (a --quick smoke run:
-    32 examples, 10 products, which shows the shapes, not the numbers)."""
+    32 examples, 10 products, which shows the shapes, not the numbers). The full analysis measures the
+    uncached traces on every core (one process each); a smoke run's are too cheap to pay for the spawns."""
+    import os
+
     from .analysis.reports import continuation_report
     if all(c.cfg.steps <= QUICK_STEPS for c in cells):
         return continuation_report(store, cells, out_dir, n_examples=32, max_iter=10)
     n = min([256] + [c.cfg.n_val for c in cells])
-    return continuation_report(store, cells, out_dir, n_examples=n, max_iter=30)
+    return continuation_report(store, cells, out_dir, n_examples=n, max_iter=30, workers=os.cpu_count() or 1)
 
 
 register_experiment(Experiment(

@@ -86,6 +86,7 @@ def supports(cfg: ModelConfig) -> bool:
     return _scheme_kind(cfg.positional) != "unsupported"
 
 
+@lru_cache(maxsize=None)
 def _scheme_kind(name: str) -> str | None:
     """How the fast path treats a static positional scheme: None (no scheme), "none" (the identity
     scheme, NoPE), "bias" (a scheme whose only effect is ``AdditiveBias.adjust_logits``: ALiBi, T5,
@@ -138,9 +139,9 @@ def _scheme_eval(params: dict, cfg: ModelConfig, layer: int, K: int, method: str
     if not sub:  # no parameters (ALiBi): the same value for every run
         out = mod(*args)
         return out[None].expand(K, *out.shape)
-    if K == 1:
-        return functional_call(mod, {n: p[0] for n, p in sub.items()}, args)[None]
-    return vmap(lambda p: functional_call(mod, p, args))(sub)
+    if K == 1:  # strict: every parameter of the scheme comes from the run (never the template's own)
+        return functional_call(mod, {n: p[0] for n, p in sub.items()}, args, strict=True)[None]
+    return vmap(lambda p: functional_call(mod, p, args, strict=True))(sub)
 
 
 def _few(cfg: ModelConfig, P: int, T: int) -> bool:

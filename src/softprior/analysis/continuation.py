@@ -610,28 +610,52 @@ def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batc
     return pd.DataFrame([ctx.row(i) for i in range(len(snaps))])
 
 
-def continuation_traces(specs: Sequence[dict], workers: int = 1) -> list:
-    """``continuation_trace(**spec)`` for each spec (its keyword arguments), in order.
+def continuation_traces(specs: Sequence[dict], workers: int = 1, on_trace: Callable | None = None) -> list:
+    """``continuation_trace(**spec)`` for each spec (its keyword arguments), in order; ``on_trace(j, df)``
+    is called as soon as run j's trace is complete (a caller caches it there: an interrupted batch keeps
+    what it finished).
 
     ``workers`` > 1: every snapshot of every run is one task for a pool of that many spawned processes
     at one torch thread each (a snapshot's row depends only on the run's snapshots, so the rows are
     independent); the costly tasks start first (rows with a tangent, the larger models first), so the
-    workers finish together. The numbers equal a serial trace's at one thread; only ``seconds`` differs."""
+    workers finish together. The snapshots travel to the workers as numpy arrays (pickled by value;
+    torch tensors would hold one shared-memory file open per tensor in every process). The numbers
+    equal a serial trace's at one thread; only ``seconds`` differs."""
     import pandas as pd
+    out: list = [None] * len(specs)
+
+    def done(j, df):
+        out[j] = df
+        if on_trace is not None:
+            on_trace(j, df)
     if workers <= 1:
-        return [continuation_trace(**s) for s in specs]
+        for j, spec in enumerate(specs):
+            done(j, continuation_trace(**spec))
+        return out
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
     ctxs = [_TraceContext.of(s) for s in specs]  # here only to order the tasks
+    for j, c in enumerate(ctxs):
+        if c is None:
+            done(j, pd.DataFrame())
     tasks = [(j, i) for j, c in enumerate(ctxs) if c is not None for i in range(len(c.snaps))]
     tasks.sort(key=lambda t: (not ctxs[t[0]].has_tangent(t[1]), -ctxs[t[0]].thetas[0].numel()))
+    if not tasks:
+        return out
+    left = {j: len(c.snaps) for j, c in enumerate(ctxs) if c is not None}
     rows: dict = {}
-    if tasks:
-        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=mp.get_context("spawn"),
-                                 initializer=_trace_worker_init, initargs=(list(specs),)) as ex:
-            rows = dict(zip(tasks, ex.map(_trace_worker_row, tasks)))
-    return [pd.DataFrame([rows[(j, i)] for i in range(len(c.snaps))]) if c is not None else pd.DataFrame()
-            for j, c in enumerate(ctxs)]
+    portable = [{**s, "snapshots": [(st, {k: v.detach().cpu().numpy() for k, v in sd.items()})
+                                    for st, sd in s["snapshots"]]} for s in specs]
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=mp.get_context("spawn"),
+                             initializer=_trace_worker_init, initargs=(portable,)) as ex:
+        futures = {ex.submit(_trace_worker_row, t): t for t in tasks}
+        for f in as_completed(futures):
+            j, i = futures[f]
+            rows[j, i] = f.result()  # a task's exception reaches the caller
+            left[j] -= 1
+            if not left[j]:
+                done(j, pd.DataFrame([rows.pop((j, k)) for k in range(len(ctxs[j].snaps))]))
+    return out
 
 
 class _TraceContext:
@@ -642,9 +666,9 @@ class _TraceContext:
     def of(cls, spec: dict) -> "_TraceContext | None":
         """The context of ``continuation_trace(**spec)`` (None: no snapshots)."""
         import inspect
-        kw = {k: v.default for k, v in inspect.signature(continuation_trace).parameters.items()
-              if v.default is not inspect.Parameter.empty}
-        kw.update(spec)
+        bound = inspect.signature(continuation_trace).bind(**spec)  # a misspelt key raises, as in a serial trace
+        bound.apply_defaults()
+        kw = dict(bound.arguments)
         snaps = sorted(((int(s), sd) for s, sd in kw.pop("snapshots")), key=lambda x: x[0])
         if not snaps:
             return None
@@ -722,7 +746,8 @@ _WORKER: dict = {}  # a trace worker's specs, and the contexts built from them a
 def _trace_worker_init(specs):
     torch.set_num_threads(1)
     _WORKER.clear()
-    _WORKER["specs"] = specs
+    _WORKER["specs"] = [{**s, "snapshots": [(st, {k: torch.from_numpy(v) for k, v in sd.items()})
+                                            for st, sd in s["snapshots"]]} for s in specs]
 
 
 def _trace_worker_row(task: tuple[int, int]) -> dict:

@@ -111,7 +111,7 @@ def _ms(vals, digits=3) -> str:
 
 def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_examples: int = 256, max_iter: int = 30,
                         damping: float = 1e-3, method: str = "minres", threshold: float = 0.03,
-                        threads: int | None = 1, workers: int | None = None) -> str:
+                        threads: int | None = 1, workers: int = 1) -> str:
     """The paper's continuation quantities (``softprior.analysis.continuation``) over every stored
     snapshot of each finished run, a summary table, a verdict paragraph and a figure.
 
@@ -126,13 +126,13 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
     ``threads``: torch threads for the measurements (restored after; None leaves them). One, like a
     sweep's workers: on the shared 2-core machine (load ~5) a tangent snapshot took 2.85 s at 1
     thread and 40.7 s at 2 (docs/PERFORMANCE.md).
-    ``workers``: processes (one thread each) that measure the traces not yet in the store's cache,
-    snapshot by snapshot (``continuation.continuation_traces``; the same numbers); None: one per core."""
-    import os
+    ``workers`` > 1: spawned processes (one thread each) that measure the traces not yet in the store's
+    cache, snapshot by snapshot (``continuation.continuation_traces``; the same numbers). A script that
+    asks for them needs the ``if __name__ == "__main__":`` guard that spawning processes needs; the
+    experiments' analysis (``reproduce``) takes one per core."""
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    workers = (os.cpu_count() or 1) if workers is None else workers
     try:
         return _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold, workers)
     finally:
@@ -156,13 +156,21 @@ def _cached_traces(store, jobs: list[tuple], workers: int = 1) -> list:
     files = [_trace_file(store, cfg, heads, kw) for cfg, heads, kw in jobs]
     out = [_read_trace(f) for f in files]
     todo = [k for k, df in enumerate(out) if df is None]
-    specs = [dict(snapshots=store.load_snapshots(jobs[k][0].run_id), cfg=jobs[k][0], circuit=jobs[k][1], **jobs[k][2])
-             for k in todo]
-    for k, df in zip(todo, continuation_traces(specs, workers=workers) if todo else []):
+
+    def spec(k):
+        cfg, heads, kw = jobs[k]
+        return dict(snapshots=store.load_snapshots(cfg.run_id), cfg=cfg, circuit=heads, **kw)
+
+    def keep(k, df):  # cached as soon as it is complete: an interrupted report keeps what it finished
         if not df.empty:
             files[k].parent.mkdir(exist_ok=True)
             _atomic_write_bytes(files[k], df.to_csv(index=False).encode())
         out[k] = df
+    if workers <= 1:  # one run's snapshots in memory at a time
+        for k in todo:
+            continuation_traces([spec(k)], on_trace=lambda _, df, k=k: keep(k, df))
+    elif todo:
+        continuation_traces([spec(k) for k in todo], workers=workers, on_trace=lambda j, df: keep(todo[j], df))
     return out
 
 
