@@ -63,6 +63,14 @@ def _time(step, n):
     return (time.perf_counter() - t) / n * 1000
 
 
+def _at_best_threads(samples: dict) -> tuple[dict, tuple[float, int], tuple[float, int]]:
+    """From ``_alternate``'s samples: the medians per thread count, and (ms/step, threads) of ours and of
+    the reference, each at its own faster thread count."""
+    med = {th: (statistics.median(o), statistics.median(r)) for th, (o, r) in samples.items()}
+    o_th, r_th = min(med, key=lambda th: med[th][0]), min(med, key=lambda th: med[th][1])
+    return med, (med[o_th][0], o_th), (med[r_th][1], r_th)
+
+
 def _alternate(ours, ref, n: int, reps: int, thread_counts) -> dict:
     """ms/step medians of ``reps`` alternating samples of ``n`` steps, per thread count."""
     out = {}
@@ -160,12 +168,9 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     ours, (ref, _) = _our_step(cfg), ref_mod.make_reference_step()
     n, reps = (20, 3) if quick else (60, 7)
     samples = _alternate(ours, ref, n, reps, thread_counts)
-    med = {th: (statistics.median(o), statistics.median(r)) for th, (o, r) in samples.items()}
+    med, (single, o_th), (reference, r_th) = _at_best_threads(samples)
     for th, (o, r) in med.items():
         log(f"  {th} thread(s): ours {o:.2f} ms/step, reference {r:.2f} ms/step ({r / o:.2f}x)")
-    o_th = min(med, key=lambda th: med[th][0])
-    r_th = min(med, key=lambda th: med[th][1])
-    single, reference = med[o_th][0], med[r_th][1]
     mfu = flops / (single / 1e3) / (gemm * 1e9)
     log(f"single base run: {single:.2f} ms/step at {o_th} thread(s) (MFU {mfu:.1%});  plain reference: "
         f"{reference:.2f} ms/step at {r_th} thread(s);  speed-up {reference / single:.2f}x")
@@ -214,10 +219,8 @@ def _large_line(ref_mod, quick: bool, thread_counts, log) -> tuple[float, float,
     m = cfg.model
     ref, _ = ref_mod.make_reference_step(d=m.d_model, H=m.n_heads, L=m.n_layers, batch=cfg.batch_size, T=m.n_ctx,
                                          vocab=m.vocab)
-    samples = _alternate(_our_step(cfg), ref, 5 if quick else 20, 2 if quick else 5, thread_counts)
-    med = {th: (statistics.median(o), statistics.median(r)) for th, (o, r) in samples.items()}
-    o_th, r_th = min(med, key=lambda th: med[th][0]), min(med, key=lambda th: med[th][1])
-    ours, ref_ms = med[o_th][0], med[r_th][1]
+    _, (ours, o_th), (ref_ms, r_th) = _at_best_threads(
+        _alternate(_our_step(cfg), ref, 5 if quick else 20, 2 if quick else 5, thread_counts))
     log(f"single large run: {ours:.2f} ms/step at {o_th} thread(s);  plain reference at the large size: "
         f"{ref_ms:.2f} ms/step at {r_th} thread(s);  speed-up {ref_ms / ours:.2f}x")
     return ours, ref_ms, {"ours": o_th, "reference": r_th}

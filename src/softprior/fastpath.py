@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from .model import ModelConfig
+from .positional.rotary import rotate_pairs  # RoPE's rotation, shared with the readable scheme
 
 __all__ = ["supports", "fast_forward", "hand_forward", "stacked_params", "model_forward"]
 
@@ -181,15 +182,6 @@ def _rope_tables(cfg: ModelConfig, T: int, dtype, device):
     return cos.to(dtype), sin.to(dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dh: int) -> torch.Tensor:
-    """RoPE's rotation (split halves) of the first dh columns of x [N, T, e] (the q or k part; the
-    content-factor columns after them are not rotated, as in the readable model). With -sin it is the
-    inverse rotation R^T, which is also the backward of the rotation."""
-    half = dh // 2
-    x1, x2 = x[..., :half], x[..., half:dh]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., dh:]], dim=-1)
-
-
 def stacked_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A single model's parameters as a run-stacked dict (K = 1 views; gradients flow back)."""
     return {n: p.unsqueeze(0) for n, p in model.named_parameters()}
@@ -213,6 +205,11 @@ def _geometry(T: int, n_ctx: int, positions: tuple[int, ...] | None, device: tor
     off = (qpos[:, None] - kpos[None, :]).clamp(0, n_ctx - 1)
     mask = torch.zeros(len(qpos), T, device=device).masked_fill_(qpos[:, None] < kpos[None, :], float("-inf"))
     return off, mask
+
+
+def _with_static(bias: torch.Tensor, static: torch.Tensor | None) -> torch.Tensor:
+    """The prior's bias (with the mask) plus a layer's static scheme bias, if the model has one (point 7)."""
+    return bias if static is None else bias + static
 
 
 def _pos_bias(table: torch.Tensor, g_pos: torch.Tensor, off: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -393,11 +390,9 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
                     y = _proj(n, Wr, ln_w, ln_b).view(K, B, T, H, width)
                     return y.permute(0, 3, 1, 2, 4).reshape(K * H * B, T, width)
                 qe, ke, v = heads(W_qu, e), heads(W_kw, e), heads(W_v, dh)
-            bias = _pos_bias(table, gp, off_all, mask_all)
-            if static[l] is not None:
-                bias = bias + static[l]
+            bias = _with_static(_pos_bias(table, gp, off_all, mask_all), static[l])
             if rot is not None:
-                qe, ke = _rope(qe, *rot, dh), _rope(ke, *rot, dh)
+                qe, ke = rotate_pairs(qe, *rot, dh), rotate_pairs(ke, *rot, dh)
             z = _Attention.apply(qe, ke, v, bias)  # [K*H*B, T, dh]
             z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
             x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 5)
@@ -417,10 +412,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             qt = torch.bmm(q, Wn[:, :, e:2 * e].reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
             qt = qt.view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
             s = torch.bmm(qt, n4.reshape(K * B, T, d).transpose(1, 2)).view(K, B, H, P, T)
-            bias = _pos_bias(table, gp, off_q, mask_q)
-            if static[l] is not None:
-                bias = bias + static[l]
-            s = s + bias.unsqueeze(1)
+            s = s + _with_static(_pos_bias(table, gp, off_q, mask_q), static[l]).unsqueeze(1)
             nbar = torch.bmm(s.softmax(-1).view(K * B, H * P, T), n4.reshape(K * B, T, d))  # [K*B, H*P, d]
             nbar = nbar.view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
             W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
@@ -515,10 +507,6 @@ def _bias_bwd(dbias, tb, gp, off, n_ctx):
     return dt, dgp
 
 
-def _with_static(bias, params, l):
-    """The prior's bias plus layer l's static scheme bias, if the model has one."""
-    sb = params.get(f"{_STATIC}{l}")
-    return bias if sb is None else bias + sb
 
 
 def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
@@ -588,10 +576,11 @@ def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
                 del y
                 st.update(kind="plain", x=x, n=n, mean=mean, rstd=rstd, A=A)
             if rot is not None:  # RoPE: q and k rotated by position (the backward reads the rotated ones)
-                g = (_rope(g[0], *rot, dh), _rope(g[1], *rot, dh), g[2])
+                g = (rotate_pairs(g[0], *rot, dh), rotate_pairs(g[1], *rot, dh), g[2])
             qe, ke, v = g
             s = torch.bmm(qe, ke.transpose(1, 2)).view(K, H, B, T, T)
-            s.add_(_with_static(torch.addcmul(mask_all, gp[:, :, None, None], tb), params, l).unsqueeze(2))
+            bias = _with_static(torch.addcmul(mask_all, gp[:, :, None, None], tb), params.get(f"{_STATIC}{l}"))
+            s.add_(bias.unsqueeze(2))
             p = torch.softmax(s, -1).view(K * H * B, T, T)
             z = torch.bmm(p, v)
             zc = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
@@ -611,7 +600,8 @@ def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
             qt = torch.bmm(q, WnK).view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
             nf = n.view(K * B, T, d)
             s = torch.bmm(qt, nf.transpose(1, 2)).view(K, B, H, P, T)
-            s.add_(_with_static(torch.addcmul(mask_q, gp[:, :, None, None], tb), params, l).unsqueeze(1))
+            bias = _with_static(torch.addcmul(mask_q, gp[:, :, None, None], tb), params.get(f"{_STATIC}{l}"))
+            s.add_(bias.unsqueeze(1))
             pm = torch.softmax(s, -1).view(K * B, H * P, T)
             nbar = torch.bmm(pm, nf).view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
             W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
@@ -719,7 +709,7 @@ def _hand_backward(S, cfg, dout):
             grads[f"{_STATIC}{l}"] = dbias
             # dq, dk, dv, each written straight to its place (no concatenation of activation gradients)
             rot = S["rot"]
-            unrot = (lambda t: t) if rot is None else (lambda t: _rope(t, rot[0], -rot[1], dh))  # R^T
+            unrot = (lambda t: t) if rot is None else (lambda t: rotate_pairs(t, rot[0], -rot[1], dh))  # R^T
             pieces = ((0, e, lambda: unrot(torch.bmm(ds, ke))),
                       (e, 2 * e, lambda: unrot(torch.bmm(ds.transpose(1, 2), qe))),
                       (2 * e, w, lambda: torch.bmm(p.transpose(1, 2), dz)))
@@ -790,11 +780,12 @@ def hand_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     """``fast_forward`` with the hand-written backward (one autograd node for the whole model)."""
     pos = tuple(int(p) for p in positions.tolist())
     K, T = g_pos.shape[0], inputs.shape[-1 if cfg.d_in is None else -2]
-    static = _biases(params, cfg, K, T, pos, params["blocks.0.attn.in_proj.weight"].dtype, inputs.device)
+    dtype = params["blocks.0.attn.in_proj.weight"].dtype
+    static = _biases(params, cfg, K, T, pos, dtype, inputs.device)
     # a static scheme's bias enters as one more input (computed here, in autograd, from the scheme's
     # parameters); the hand backward returns its gradient, dbias
     params = {**params, **{f"{_STATIC}{l}": b for l, b in enumerate(static) if b is not None}}
-    pe = _absolute(params, cfg, K, T, params["blocks.0.attn.in_proj.weight"].dtype)
+    pe = _absolute(params, cfg, K, T, dtype)
     if pe is not None:  # vanilla's position embedding: one more input, its gradient dx summed over the batch
         params[_ABS] = pe
     names = tuple(params)

@@ -6,6 +6,15 @@ import torch
 from .base import PositionalScheme
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> torch.Tensor:
+    """The split-halves rotation of the first ``width`` columns of x: (x1, x2) = (x[k], x[k + width/2])
+    -> (x1 cos - x2 sin, x1 sin + x2 cos); columns after ``width`` pass unchanged (the fast path's
+    content-factor columns). With -sin it is the inverse rotation (and the rotation's backward)."""
+    half = width // 2
+    x1, x2 = x[..., :half], x[..., half:width]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., width:]], dim=-1)
+
+
 class RoPE(PositionalScheme):
     """rope: rotary position embedding over the full head dimension.
 
@@ -40,11 +49,8 @@ class RoPE(PositionalScheme):
         return angle.cos(), angle.sin()
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        half = self.d_head // 2
         cos, sin = self.angles(pos, x.device)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        return rotate_pairs(x, cos.to(x.dtype), sin.to(x.dtype), self.d_head)
 
     def rotate(self, q, k, qpos, kpos):
         return self._rotate(q, qpos), self._rotate(k, kpos)
