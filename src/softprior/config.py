@@ -26,7 +26,8 @@ NON_SEMANTIC_FIELDS = {"checkpoint_every", "label"}
 # search): hashed only when set away from their default, so every earlier run id stays valid
 LATER_DEFAULTS = {
     "task": {"layout": "disjoint", "n_queries": 1, "loss_on": ("last", "final"), "placement": "packed",
-             "query": "distinct", "n_points": None},
+             "query": "distinct", "n_points": None, "keys": "distinct", "repeat_target": "uniform",
+             "answer": "successor", "format": "interleaved", "w_scale": "unit", "noise": 0.0},
     "model": {"prior_cap": 8.0},
 }
 
@@ -61,8 +62,8 @@ class RunConfig(BaseModel):
     def _check(self):
         t, m = self.task, self.model
         if t.name == "linear_icl":
-            if m.d_in != t.d or m.d_out != 1:
-                raise ValueError(f"model.d_in must be {t.d} and model.d_out 1 for linear_icl")
+            if m.d_in != t.d_in or m.d_out != 1:
+                raise ValueError(f"model.d_in must be {t.d_in} and model.d_out 1 for linear_icl")
         elif m.d_in is not None or m.vocab != t.vocab:
             raise ValueError(f"model.vocab must equal task.vocab={t.vocab} and d_in be None for {t.name}")
         return self
@@ -124,7 +125,7 @@ def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "
         from .baselines import resolve_baseline
         extra, pcfg = resolve_baseline(baseline)
         model_options = {**(model_options or {}), **extra}
-    io = dict(d_in=tcfg.d, d_out=1) if tcfg.name == "linear_icl" else dict(vocab=tcfg.vocab)
+    io = dict(d_in=tcfg.d_in, d_out=1) if tcfg.name == "linear_icl" else dict(vocab=tcfg.vocab)
     if isinstance(model, str):
         mcfg = model_preset(model, **{**io, **(model_options or {})})
     else:

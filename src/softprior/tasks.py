@@ -18,6 +18,16 @@ Associative recall (our own generator, in the spirit of zoology's MQAR):
       The metric is always the final query's accuracy, so tables stay comparable.
     - ``placement``: "packed" (pairs adjacent, left padding) or "spread": the n pairs occupy n of the
       (T - Q) // 2 two-token slots before the queries, chosen uniformly, PAD (0) filling the rest.
+    - ``keys``: "distinct" (above) or "replacement": the paper says only "pairs of keys and values ...
+      the value associated with a query key" (Sec. 4). With replacement each sequence draws a key set
+      of ``n_keys`` tokens (disjoint: tokens 1..n_keys; pool: ``n_keys`` tokens of the pool, the values
+      being n more distinct pool tokens) and the n keys i.i.d. uniform from it, so a queried key may
+      occur m > 1 times with m different values. The queried pair is uniform over the n pairs.
+    - ``repeat_target`` (keys="replacement" only): the answer when the queried key repeats: "uniform",
+      the queried pair's own value (a uniformly chosen occurrence: ambiguous, the Bayes ceiling is
+      E[1/m] = (1 - (1 - 1/K)^n) K / n for K = n_keys, see ``bayes_accuracy``), or the value of the
+      "first" / "last" occurrence (learnable: ceiling 1.0). The search can so tell ambiguity apart
+      from more keys. Copying a random context value scores 1/n either way.
 
 Markov induction with repeat probability p:
     each sequence draws its own successor map s (a random bijection of V); x_0 is uniform;
@@ -32,6 +42,13 @@ Markov induction with repeat probability p:
     prediction. ``query``: "distinct" (the final token is uniform over the distinct tokens with an
     occurrence, above) or "occurrence" (uniform over the occurrences, which favours frequent tokens;
     the order-free chance level, measured, accounts for it).
+    ``answer``: "successor" (above: the final token is one that occurred earlier directly followed by
+    s(a), the target s(a); if a also occurred followed by a random token the context is ambiguous, and
+    the Bayes ceiling is below 1, see ``bayes_accuracy``) or "recent", the classic induction rule: the
+    final token a is any token with an earlier occurrence that has a follower, and the target is the
+    token that followed a's most recent occurrence (ceiling 1.0; a low p still makes the rule harder
+    to learn, since fewer transitions repeat). ``query`` then picks a among the distinct tokens or the
+    occurrences, as above.
 
 Linear regression ICL (Garg et al. 2022; dtsip/in-context-learning):
     w ~ N(0, I_d), x_k ~ N(0, I_d), y_k = w . x_k; the input is x_1, [y_1, 0..0], ..., x_n, [y_n, 0..0],
@@ -39,7 +56,19 @@ Linear regression ICL (Garg et al. 2022; dtsip/in-context-learning):
     layer and reads out a scalar at every x position; the loss is the mean squared error over all x
     positions (Garg's objective). The metric is the query's squared error divided by d, so the
     zero predictor scores 1.0 (its "chance"); least squares is exact (0) once n >= d.
-    Option ``n_points``: the number of in-context points (None: as many as fit, (T - 1) // 2).
+    Options:
+    - ``n_points``: the number of in-context points (None: as many as fit: (T - 1) // 2 interleaved,
+      T - 1 paired).
+    - ``format``: "interleaved" (above) or "paired": one token per example, [x_k ; y_k] (d + 1
+      inputs), the query [x_q ; 0], the prediction read (and the loss taken) at the query only. The
+      paper does not give its format; with one token per example one attention layer can compute
+      sum_k y_k x_k . x_q, one step of gradient descent (von Oswald et al. 2023).
+    - ``w_scale``: "unit", w ~ N(0, I_d), or "inv_d", w ~ N(0, I_d / d); ``noise``: the std of Gaussian
+      label noise on every y (the query's included). The metric divides the query's squared error by
+      E[y^2] = d s + noise^2 (s = 1 or 1/d), so the zero predictor scores 1.0 in every variant (for
+      the default, E[y^2] = d as before).
+    ``reference_mse`` gives least squares, the Bayes posterior mean (ridge with lambda = noise^2 / s)
+    and one step of gradient descent from w = 0 with the best scalar step size, on the same metric.
 """
 
 from __future__ import annotations
@@ -83,23 +112,35 @@ class AssocRecallConfig(_TaskBase):
     loss_on: Literal["last", "queries"] = Field("last", description="loss on the final query, or on every query")
     placement: Literal["packed", "spread"] = Field(
         "packed", description="pairs adjacent, or spread over two-token slots with PAD filler between them")
+    keys: Literal["distinct", "replacement"] = Field(
+        "distinct", description="keys distinct in a sequence, or drawn i.i.d. from a key set of n_keys tokens")
+    repeat_target: Literal["uniform", "first", "last"] = Field(
+        "uniform", description="keys='replacement': the queried pair's value, or the first / last occurrence's")
 
     @model_validator(mode="before")
     @classmethod
     def _normalise(cls, data):
-        """One query: loss on the queries is loss on the last, so both spell the same config (one run id)."""
+        """One query: loss on the queries is loss on the last, so both spell the same config (one run id);
+        with distinct keys no key repeats, so every ``repeat_target`` spells the same config too."""
         if isinstance(data, dict) and data.get("n_queries", 1) == 1 and data.get("loss_on") == "queries":
             data = {**data, "loss_on": "last"}
+        if isinstance(data, dict) and data.get("keys", "distinct") == "distinct" and "repeat_target" in data:
+            data = {**data, "repeat_target": "uniform"}
         return data
 
     @model_validator(mode="after")
     def _check(self):
+        distinct = self.keys == "distinct"
         if self.layout == "disjoint":
             n_values = self.vocab - 1 - self.n_keys
-            if n_values < self.n_pairs or self.n_keys < self.n_pairs:
-                raise ValueError(f"n_pairs={self.n_pairs} needs n_keys and vocab-1-n_keys (={n_values}) >= n_pairs")
-        elif 2 * self.n_pairs > self.vocab - 1:
+            if n_values < self.n_pairs or (distinct and self.n_keys < self.n_pairs):
+                raise ValueError(f"n_pairs={self.n_pairs} needs vocab-1-n_keys (={n_values})"
+                                 + (" and n_keys" if distinct else "") + " >= n_pairs")
+        elif distinct and 2 * self.n_pairs > self.vocab - 1:
             raise ValueError(f"layout='pool' needs 2*n_pairs <= vocab-1, got n_pairs={self.n_pairs}, vocab={self.vocab}")
+        elif not distinct and self.n_keys + self.n_pairs > self.vocab - 1:
+            raise ValueError(f"layout='pool' with keys='replacement' needs n_keys+n_pairs <= vocab-1, got "
+                             f"n_keys={self.n_keys}, n_pairs={self.n_pairs}, vocab={self.vocab}")
         if self.n_queries > self.n_pairs:
             raise ValueError(f"n_queries={self.n_queries} must be <= n_pairs={self.n_pairs}")
         return self
@@ -113,12 +154,28 @@ class MarkovConfig(_TaskBase):
         "final", description="loss on the final prediction, or next-token loss wherever the successor is determined")
     query: Literal["distinct", "occurrence"] = Field(
         "distinct", description="final token uniform over distinct tokens with an occurrence, or over occurrences")
+    answer: Literal["successor", "recent"] = Field(
+        "successor", description="target: the successor s(a) shown earlier, or what followed a's most recent occurrence")
 
 
 class LinearICLConfig(_TaskBase):
     name: Literal["linear_icl"] = "linear_icl"
     d: int = Field(5, ge=1)
-    n_points: int | None = Field(None, ge=1, description="in-context points; None: as many as fit, (T-1)//2")
+    n_points: int | None = Field(None, ge=1, description="in-context points; None: as many as fit in the format")
+    format: Literal["interleaved", "paired"] = Field(
+        "interleaved", description="x and y tokens in turn, or one [x; y] token per example and the query [x; 0]")
+    w_scale: Literal["unit", "inv_d"] = Field("unit", description="w ~ N(0, I) or N(0, I/d)")
+    noise: float = Field(0.0, ge=0.0, description="std of Gaussian label noise")
+
+    @property
+    def d_in(self) -> int:
+        """The model's input width: d (interleaved, y in the first slot of its own token) or d + 1."""
+        return self.d + (self.format == "paired")
+
+    @property
+    def y_var(self) -> float:
+        """E[y^2]: the zero predictor's squared error, the metric's unit."""
+        return self.d * (1.0 if self.w_scale == "unit" else 1.0 / self.d) + self.noise ** 2
 
 
 TaskConfig = Annotated[Union[AssocRecallConfig, MarkovConfig, LinearICLConfig], Field(discriminator="name")]
@@ -191,7 +248,9 @@ class AssocRecall(_TokenTask):
             raise ValueError(f"assoc_recall with n_pairs={c.n_pairs}, n_queries={c.n_queries} needs length >= "
                              f"{self.min_length()}, got {length}")
         n, B, Q = c.n_pairs, batch_size, c.n_queries
-        if c.layout == "disjoint":
+        if c.keys == "replacement":
+            keys, vals = self._keys_with_replacement(B, generator)
+        elif c.layout == "disjoint":
             n_values = c.vocab - 1 - c.n_keys
             # distinct keys / values: the first n of a random permutation (argsort of uniform noise)
             keys = torch.rand(B, c.n_keys, generator=generator).argsort(-1)[:, :n] + 1
@@ -203,6 +262,7 @@ class AssocRecall(_TokenTask):
             which = torch.randint(0, n, (B,), generator=generator)[:, None]
         else:
             which = torch.rand(B, n, generator=generator).argsort(-1)[:, :Q]  # Q distinct queried pairs
+        answer = vals.gather(1, which if c.keys == "distinct" else self._answer_pair(keys, which))
         seq = torch.zeros(B, length, dtype=torch.long)
         if c.placement == "packed":
             start = length - (2 * n + Q)
@@ -215,8 +275,55 @@ class AssocRecall(_TokenTask):
             seq.scatter_(1, first, keys)
             seq.scatter_(1, first + 1, vals)
         seq[:, length - Q:] = keys.gather(1, which)
-        targets = vals.gather(1, which)
-        return Batch(seq, targets[:, 0] if Q == 1 else targets)
+        return Batch(seq, answer[:, 0] if Q == 1 else answer)
+
+    def _keys_with_replacement(self, B: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys="replacement": a key set of n_keys tokens per sequence, n keys i.i.d. from it, n distinct
+        values (disjoint: keys 1..n_keys, values from the top tokens; pool: n_keys + n distinct pool tokens)."""
+        c, n = self.cfg, self.cfg.n_pairs
+        if c.layout == "disjoint":
+            n_values = c.vocab - 1 - c.n_keys
+            key_set = torch.arange(1, c.n_keys + 1).expand(B, c.n_keys)
+            vals = torch.rand(B, n_values, generator=generator).argsort(-1)[:, :n] + (c.vocab - n_values)
+        else:
+            perm = torch.rand(B, c.vocab - 1, generator=generator).argsort(-1)[:, :c.n_keys + n] + 1
+            key_set, vals = perm[:, :c.n_keys], perm[:, c.n_keys:]
+        keys = key_set.gather(1, torch.randint(0, c.n_keys, (B, n), generator=generator))
+        return keys, vals
+
+    def _answer_pair(self, keys: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """The pair whose value answers each queried pair ``which`` [B, Q]: itself ("uniform"), or the
+        first / last pair with the same key (``repeat_target``)."""
+        rule = self.cfg.repeat_target
+        if rule == "uniform":
+            return which
+        n = keys.shape[1]
+        same = keys[:, None, :] == keys.gather(1, which)[:, :, None]  # [B, Q, n]
+        idx = torch.arange(n).expand_as(same)
+        if rule == "first":
+            return torch.where(same, idx, n).amin(-1)
+        return torch.where(same, idx, -1).amax(-1)
+
+    def bayes_accuracy(self, n: int = 0, seed: int = 0) -> tuple[float, float]:
+        """The generator's Bayes ceiling for the final query and its standard error (0: exact).
+
+        Distinct keys, or a "first" / "last" rule: the answer is a function of the context, 1.0.
+        Keys with replacement and the "uniform" rule: if the queried key occurs m times (with m distinct
+        values) each is the answer with probability 1/m, so the best guess scores 1/m. With the
+        queried pair uniform, the other n - 1 keys hit its key independently with probability 1/K, so
+        m - 1 ~ Binomial(n - 1, 1/K) and E[1/m] = sum_j C(n-1, j) K^-j (1-1/K)^(n-1-j) / (j+1)
+        = (1 - (1 - 1/K)^n) K / n (the binomial identity sum C(n-1,j)/(j+1) a^j b^(n-1-j) =
+        ((a+b)^n - b^n) / (n a)). Several distinct queried pairs (Q > 1) leave the last one uniform.
+        ``n`` and ``seed`` are unused (the interface of tasks whose ceiling is Monte Carlo)."""
+        c = self.cfg
+        if c.keys == "distinct" or c.repeat_target != "uniform":
+            return 1.0, 0.0
+        K, m = c.n_keys, c.n_pairs
+        return (1.0 - (1.0 - 1.0 / K) ** m) * K / m, 0.0
+
+    def heuristic_accuracy(self) -> float:
+        """Copying a random value from the context: 1 / n_pairs (the values are distinct)."""
+        return 1.0 / self.cfg.n_pairs
 
     def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """out: [B, P, V] at ``loss_positions``; targets [B] (one query) or [B, Q]."""
@@ -248,6 +355,8 @@ class Markov(_TokenTask):
             nxt = succ.gather(1, seq[:, t - 1:t])[:, 0]
             seq[:, t] = torch.where(follow[:, t], nxt, noise[:, t])
         body = seq[:, : length - 1]
+        if c.answer == "recent":
+            return self._recent(seq, succ, generator)
         ok = body[:, 1:] == succ.gather(1, body[:, :-1])  # [B, length-2]: body[t+1] == s(body[t])
         none = ~ok.any(1)
         if none.any():  # guarantee one occurrence (rare: ~(1-p)^30)
@@ -269,6 +378,46 @@ class Markov(_TokenTask):
         if c.loss_on == "final":
             return Batch(seq, target)
         return Batch(seq, self._determined_targets(seq, succ, target))
+
+    def _recent(self, seq: torch.Tensor, succ: torch.Tensor, generator: torch.Generator) -> Batch:
+        """answer="recent": a is drawn among the tokens at positions t <= T-3 (those with a follower in
+        the context; ``query`` picks distinct tokens or occurrences), the target is the token that
+        followed a's most recent such occurrence."""
+        B, T, V = seq.shape[0], seq.shape[1], self.cfg.vocab
+        body = seq[:, : T - 1]
+        head = body[:, :-1]  # positions with a follower
+        if self.cfg.query == "distinct":
+            cand = torch.zeros(B, V).scatter_(1, head, 1.0) > 0
+            a = torch.where(cand, torch.rand(B, V, generator=generator), torch.full((B, V), -1.0)).argmax(1)
+        else:
+            a = head.gather(1, torch.randint(0, T - 2, (B, 1), generator=generator))[:, 0]
+        pos = torch.where(head == a[:, None], torch.arange(T - 2), -1).amax(1)
+        target = body.gather(1, (pos + 1)[:, None])[:, 0]
+        seq[:, -1] = a
+        if self.cfg.loss_on == "final":
+            return Batch(seq, target)
+        return Batch(seq, self._determined_targets(seq, succ, target))
+
+    def bayes_accuracy(self, n: int = 4000, seed: int = 0) -> tuple[float, float]:
+        """The generator's Bayes ceiling at T = 32 and its standard error.
+
+        answer="recent": the answer is read off the context, 1.0 exactly. answer="successor": the
+        target s(a) is among the tokens that followed a in the context, and a follower that is not s(a)
+        is uniform noise, so the best guess is the most frequent follower of a (ties broken
+        uniformly); its accuracy is estimated by Monte Carlo over ``n`` sequences from ``seed``
+        (a correct tie among k counts 1/k), with the standard error of that mean."""
+        if self.cfg.answer == "recent":
+            return 1.0, 0.0
+        b = self.sample(n, 32, torch.Generator().manual_seed(seed))
+        x = b.inputs
+        target = b.targets if b.targets.dim() == 1 else b.targets[:, -1]
+        body = x[:, :-1]
+        after_a = (body[:, :-1] == x[:, -1:])  # [n, T-2]: positions holding a with a follower
+        counts = torch.zeros(n, self.cfg.vocab).scatter_add_(1, body[:, 1:], after_a.float())
+        best = counts.max(1, keepdim=True).values
+        top = counts == best
+        score = top.gather(1, target[:, None])[:, 0].double() / top.sum(1).double()
+        return float(score.mean()), float(score.std() / n ** 0.5)
 
     @staticmethod
     def _determined_targets(seq: torch.Tensor, succ: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
@@ -330,36 +479,54 @@ class Markov(_TokenTask):
 class LinearICL(Task):
     metric = "mse"
     input_kind = "vectors"
-    chance = 1.0  # the zero predictor's normalised MSE, E[y^2]/d = 1
+    chance = 1.0  # the zero predictor's normalised MSE, E[y^2] / E[y^2] = 1
 
     @property
     def d(self) -> int:
         return self.cfg.d
 
+    @property
+    def paired(self) -> bool:
+        return self.cfg.format == "paired"
+
     def min_length(self) -> int:
-        return 3
+        return 2 if self.paired else 3
 
     def n_points(self, length: int) -> int:
-        fit = (length - 1) // 2
+        fit = length - 1 if self.paired else (length - 1) // 2
         if self.cfg.n_points is None:
             return fit
         if self.cfg.n_points > fit:
-            raise ValueError(f"linear_icl n_points={self.cfg.n_points} does not fit in length {length} (max {fit})")
+            raise ValueError(f"linear_icl n_points={self.cfg.n_points} does not fit in length {length} "
+                             f"(max {fit} in the {self.cfg.format} format)")
         return self.cfg.n_points
 
     def loss_positions(self, length: int) -> torch.Tensor:
+        if self.paired:
+            return torch.tensor([length - 1])
         n = self.n_points(length)
         start = length - (2 * n + 1)
         return torch.arange(start, length, 2)  # the n in-context x positions and the query
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        d, B = self.cfg.d, batch_size
+        c, B = self.cfg, batch_size
+        d = c.d
         n = self.n_points(length)
         if n < 1:
-            raise ValueError(f"linear_icl needs length >= 3, got {length}")
+            raise ValueError(f"linear_icl needs length >= {self.min_length()}, got {length}")
         w = torch.randn(B, d, generator=generator)
+        if c.w_scale == "inv_d":
+            w = w / d ** 0.5
         x = torch.randn(B, n + 1, d, generator=generator)
         y = torch.einsum("bkd,bd->bk", x, w)
+        if c.noise > 0:
+            y = y + c.noise * torch.randn(B, n + 1, generator=generator)
+        if self.paired:
+            seq = torch.zeros(B, length, d + 1)
+            start = length - (n + 1)
+            seq[:, start:, :d] = x
+            seq[:, start:length - 1, d] = y[:, :n]
+            return Batch(seq, y[:, -1:])
         seq = torch.zeros(B, length, d)
         start = length - (2 * n + 1)
         seq[:, start::2] = x
@@ -370,18 +537,50 @@ class LinearICL(Task):
         return F.mse_loss(out[..., 0], targets)
 
     def score(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return ((out[:, -1, 0] - targets[:, -1]) ** 2).mean() / self.cfg.d
+        return ((out[:, -1, 0] - targets[:, -1]) ** 2).mean() / self.cfg.y_var
+
+    def context(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(X [B, n, d], y [B, n], x_query [B, d], y_query [B]) of a batch, in either format."""
+        seq, y, d = batch.inputs, batch.targets, self.cfg.d
+        if self.paired:
+            n = self._n_in(seq)
+            ctx = seq[:, seq.shape[1] - 1 - n:-1]
+            return ctx[..., :d], ctx[..., d], seq[:, -1, :d], y[:, -1]
+        n = y.shape[1] - 1
+        start = seq.shape[1] - (2 * n + 1)
+        return seq[:, start::2][:, :n], y[:, :n], seq[:, -1], y[:, -1]
+
+    def _n_in(self, seq: torch.Tensor) -> int:
+        return self.n_points(seq.shape[1])
+
+    def reference_mse(self, batch: Batch) -> dict[str, float]:
+        """The metric (query squared error / E[y^2]) of three reference estimators on ``batch``:
+        "least_squares" (min-norm, pinv), "bayes" (the posterior mean under the generator's prior:
+        ridge with lambda = noise^2 / s for w ~ N(0, s I); least squares when noise = 0 and n >= d),
+        and "gd_step": one step of gradient descent on the context's squared loss from w = 0,
+        w = eta X^T y, with the best scalar eta on this batch (a least-squares fit of eta)."""
+        X, yc, xq, yq = (t.double() for t in self.context(batch))
+        s = 1.0 if self.cfg.w_scale == "unit" else 1.0 / self.cfg.d
+        lam = self.cfg.noise ** 2 / s
+
+        def err(w):
+            return float(((xq[:, None] @ w)[:, 0, 0] - yq).pow(2).mean() / self.cfg.y_var)
+
+        out = {"least_squares": err(torch.linalg.pinv(X) @ yc[..., None])}
+        if lam > 0:
+            eye = torch.eye(X.shape[-1], dtype=X.dtype)
+            out["bayes"] = err(torch.linalg.solve(X.transpose(1, 2) @ X + lam * eye, X.transpose(1, 2) @ yc[..., None]))
+        else:
+            out["bayes"] = out["least_squares"]
+        a = (xq[:, None] @ (X.transpose(1, 2) @ yc[..., None]))[:, 0, 0]
+        eta = float((a * yq).sum() / (a * a).sum())
+        out["gd_step"] = float((eta * a - yq).pow(2).mean() / self.cfg.y_var)
+        return out
 
     @staticmethod
     def least_squares_mse(batch: Batch, d: int) -> float:
-        """Normalised query MSE of the least-squares (min-norm) estimate from the context points."""
-        seq, y = batch.inputs, batch.targets
-        n = y.shape[1] - 1
-        start = seq.shape[1] - (2 * n + 1)
-        X = seq[:, start::2][:, :n].double()
-        w = torch.linalg.pinv(X) @ y[:, :n, None].double()
-        pred = (seq[:, -1].double()[:, None] @ w)[:, 0, 0]
-        return float(((pred - y[:, -1].double()) ** 2).mean() / d)
+        """Normalised query MSE of the least-squares (min-norm) estimate, default (interleaved) format."""
+        return LinearICL(LinearICLConfig(d=d)).reference_mse(batch)["least_squares"]
 
 
 TASKS = Registry("task", UnknownTaskError, {  # name -> (config class, task class, description)

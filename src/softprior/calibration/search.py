@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 from ..config import make_run_config
 from ..report import formation_step
-from .criteria import Criterion, Row, criteria_for, difficulty_rows
+from .criteria import PAPER_ACCURACY, Criterion, Row, criteria_for, difficulty_rows
 from .space import SearchSpace
 
 __all__ = ["Candidate", "run_search", "load_candidates", "complete_nearest", "candidate_configs", "measure",
-           "formation_step", "study_name"]
+           "formation_step", "study_name", "ceiling", "check_ceiling"]
 
 
 @dataclass
@@ -69,6 +69,26 @@ def candidate_configs(space: SearchSpace, t_opts: dict, m_opts: dict, seeds, row
             out.append((row, s, make_run_config(space.task, row.path, s, model=space.model, steps=steps,
                                                 task_options={**t_opts, **row.task}, model_options=m_opts)))
     return out
+
+
+def ceiling(space: SearchSpace, t_opts: dict, m_opts: dict, row: Row | None = None) -> tuple[float, float]:
+    """The Bayes ceiling (value, standard error) of a candidate's task at ``row``'s task options
+    (token tasks; ``Task.bayes_accuracy``), nan for linear ICL (its references are MSEs)."""
+    from ..tasks import make_task
+    row = row or difficulty_rows(space.task)[0]
+    cfg = candidate_configs(space, t_opts, m_opts, [0], rows=[row])[0][2]
+    task = make_task(cfg.task)
+    return task.bayes_accuracy() if hasattr(task, "bayes_accuracy") else (math.nan, math.nan)
+
+
+def check_ceiling(space: SearchSpace, t_opts: dict, m_opts: dict) -> None:
+    """Raise ValueError (the candidate is infeasible) if its ceiling, two standard errors up, lies below
+    an accuracy the paper reports for that row (``criteria.PAPER_ACCURACY``)."""
+    for row, paper in PAPER_ACCURACY.get(space.task, []):
+        acc, se = ceiling(space, t_opts, m_opts, row)
+        if acc + 2 * se < paper:
+            raise ValueError(f"Bayes ceiling {acc:.3f} +- {se:.3f} at {row.key} is below the paper's {paper:.2f}: "
+                             f"not the paper's task")
 
 
 def measure(space: SearchSpace, store, t_opts: dict, m_opts: dict, seeds, steps: int | None = None):
@@ -154,8 +174,11 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
     from ..executors import execute
 
     study = _study(space, store)
-    if space.sampler == "grid" and not study.get_trials(deepcopy=False):
-        _enqueue_grid(study, space)
+    if not study.get_trials(deepcopy=False):
+        for point in space.enqueue:  # declared first candidates, then the sampler's
+            study.enqueue_trial({k: json.dumps(point.get(k, vals[0])) for k, vals in space.axes.items()})
+        if space.sampler == "grid":
+            _enqueue_grid(study, space)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):  # left by a killed process
         study.enqueue_trial(t.params)
         study.tell(t.number, state=TrialState.FAIL)
@@ -185,6 +208,7 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
             t_opts, m_opts = space.options(tr.params)
             try:
                 candidate_configs(space, t_opts, m_opts, full, steps=steps)
+                check_ceiling(space, t_opts, m_opts)
             except ValueError as e:  # pydantic's ValidationError is a ValueError
                 msg = str(e).splitlines()[-1] if "\n" in str(e) else str(e)
                 tr.set_user_attr("infeasible", msg[:300])

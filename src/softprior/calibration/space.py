@@ -11,6 +11,8 @@
     [axes]                         # "task.<field>" or "model.<field>" -> the values to try
     "task.n_pairs" = [6, 8, 10, 12]
     "model.embed_init_std" = [0.02, 0.3, 1.0]
+    [[enqueue]]                    # optional: candidates to measure first (other axes: first value)
+    "task.n_pairs" = 8
 
 Axes may only name task-design and initialisation fields (``TASK_AXES`` / ``MODEL_AXES``): training
 defaults and model sizes stay as the paper gives them (issue 14). A combination the task or model
@@ -31,7 +33,8 @@ from .criteria import DIFFICULTY
 
 __all__ = ["SearchSpace", "load_space", "shipped_spaces", "TASK_AXES", "MODEL_AXES", "SpaceError"]
 
-TASK_AXES = {"n_pairs", "n_keys", "layout", "n_queries", "loss_on", "placement", "query", "d", "n_points"}
+TASK_AXES = {"n_pairs", "n_keys", "layout", "n_queries", "loss_on", "placement", "query", "d", "n_points",
+             "keys", "repeat_target", "answer", "format", "w_scale", "noise"}
 MODEL_AXES = {"embed_init_std", "content_rank", "content_init_std", "gate_granularity", "gate_logit_init",
               "prior_init", "prior_layers", "prior_scale", "prior_cap"}
 
@@ -52,6 +55,8 @@ class SearchSpace(BaseModel):
     first_seeds: int = Field(1, ge=1)
     base: dict[str, dict[str, Any]] = Field(default_factory=dict, description="fixed task / model options")
     axes: dict[str, list[Any]] = Field(default_factory=dict)
+    enqueue: list[dict[str, Any]] = Field(default_factory=list, description="candidates measured first "
+                                          "(axis -> value; axes left out take their first value)")
 
     @field_validator("base")
     @classmethod
@@ -78,6 +83,10 @@ class SearchSpace(BaseModel):
     def _check(self):
         if self.first_seeds > self.seeds:
             raise ValueError(f"first_seeds={self.first_seeds} must be <= seeds={self.seeds}")
+        for point in self.enqueue:
+            for k, v in point.items():
+                if k not in self.axes or v not in self.axes[k]:
+                    raise ValueError(f"enqueue: {k}={v!r} is not a value of an axis")
         if self.task not in DIFFICULTY:
             raise ValueError(f"no difficulty criteria for task {self.task!r}")
         return self
