@@ -355,3 +355,31 @@ def test_pyproject_declares_tomli_for_python_310():
     meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert meta["requires-python"] == ">=3.10"
     assert "tomli>=1.1; python_version < '3.11'" in meta["dependencies"]
+
+
+# ------------------------------------------------------------------ budgets (issue 30, item 4)
+def test_fits_budget_names_the_paths_a_short_run_would_mislabel():
+    from softprior.paths import fits_budget, settles_at
+    assert settles_at(get_path("fade600")) == 1050 and settles_at(get_path("unforced")) is None
+    assert not fits_budget(get_path("fade600"), 200) and not fits_budget(get_path("fade600"), 1050)
+    assert fits_budget(get_path("fade600"), 1051) and fits_budget(get_path("fade600"), 3600)
+    assert not fits_budget(get_path("hard_switch1050"), 1000) and fits_budget(get_path("hard_switch1050"), 3600)
+    for name in ("unforced", "forced_zero", "linear0.5->0", "posthoc", "prior_dropout", "forced_const0.5"):
+        assert fits_budget(get_path(name), 5), name
+    # a derived path is checked on its parent's budget too
+    child = PathConfig(name="after_fade", parent=get_path("fade600"), parent_steps=800)
+    assert not fits_budget(child, 3600) and fits_budget(child.model_copy(update={"parent_steps": 2000}), 3600)
+
+
+def test_scale_to_budget_scales_as_quick_does_and_renames():
+    from softprior.paths import fits_budget, scale_path, scale_to_budget
+    p = get_path("fade600")
+    s = scale_to_budget(p, 200)
+    assert s.name == "fade600->0 scaled 200/3600" and fits_budget(s, 200)
+    assert s.pos == scale_path(p, 200 / 3600).pos and (s.pos.schedule.start_step, s.pos.schedule.width) == (33, 25)
+    assert s.description == "fade600->0 scaled x0.05556: g = 0.5 until step 33, linear fade to 0 by step 58"
+    assert scale_to_budget(p, 3600) is p
+    # --quick's scaling keeps the name (and so its run ids); only the unhashed description says it is scaled
+    q = scale_path(p, 180 / 3600)
+    assert q.name == p.name and q.description.startswith("fade600->0 scaled x0.05:")
+    assert scale_path(p, 1.0) == p

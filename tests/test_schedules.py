@@ -183,3 +183,20 @@ def test_schedules_are_frozen():
     f = Fade()
     with pytest.raises(ValidationError):
         f.width = 3
+
+
+def test_settles_at_is_the_step_of_the_final_value():
+    """The step a run must pass to follow the whole schedule (issue 30: fade600 on 200 steps never faded)."""
+    assert Fade().settles_at == 1050 and Fade(start_step=100, width=7).settles_at == 107
+    assert HardSwitch(at=1050).settles_at == 1050
+    assert Linear().settles_at is None and Linear(end_step=90).settles_at == 90  # None: the final step, any budget
+    assert Constant(value=0.3).settles_at == 0
+    for s in (Fade(start_step=33, width=25), HardSwitch(at=29), Linear(end_step=90)):
+        assert gate_value(s, s.settles_at, 10 ** 6) == gate_value(s, 10 ** 6, 10 ** 6)
+        assert gate_value(s, s.settles_at - 1, 10 ** 6) != gate_value(s, 10 ** 6, 10 ** 6)
+
+
+def test_schedules_describe_themselves_with_their_steps():
+    assert Fade(start_step=33, width=25).describe() == "0.5 until step 33, linear fade to 0 by step 58"
+    assert HardSwitch(at=29).describe() == "0.5 until step 29, then 0"
+    assert Linear().describe() == "linear 0.5 -> 0 from step 0 to the final step"

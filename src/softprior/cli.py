@@ -113,23 +113,47 @@ def _print_result(summary: dict, as_json: bool, extra_lines=()):
 
 # ------------------------------------------------------------------------------------------ commands
 def cmd_train(args) -> int:
+    import torch
+
     from .config import make_run_config
+    from .experiments import PAPER_STEPS
+    from .paths import fits_budget, scale_to_budget, settles_at
     from .runner import run
+    from .runtime import choose_threads
     from .train import build_model
 
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads must be a positive integer, got {args.threads}")
     cfg = make_run_config(args.task, args.path, args.seed, model=args.model, steps=args.steps,
                           baseline=args.baseline, task_options=parse_options(args.task_opt),
                           **({"checkpoint_every": args.checkpoint_every} if args.checkpoint_every else {}))
+    note = None
+    if not fits_budget(cfg.path, cfg.steps):
+        # fade600 on 200 steps would never fade: its schedule is scaled to the budget as --quick scales
+        # it, under a name that says so (stored in the run's summary) and a label that says why
+        named = cfg.path
+        path = scale_to_budget(named, cfg.steps, PAPER_STEPS)
+        why = f"{named.name} settles at step {settles_at(named)}, after the run's {cfg.steps} steps"
+        cfg = cfg.model_copy(update={"path": path, "label": f"{path.description} ({why})"})
+        note = (f"{why}: scaled x{cfg.steps / PAPER_STEPS:.4g} as --quick does, stored as {path.name!r} "
+                f"({path.description.split(': ', 1)[1]})")
+    threads, chosen = (args.threads, "--threads") if args.threads else choose_threads()
+    torch.set_num_threads(threads)
     store = _store(args)
     n_params = build_model(cfg).n_params()
     was_done = store.is_done(cfg.run_id)
+    header = sys.stderr if args.json else sys.stdout
+    if note:
+        print(note, file=header)
     print(f"run {cfg.run_id}: task={cfg.task.name} path={cfg.path.name} seed={cfg.seed} "
-          f"model={args.model} params={n_params:,} steps={cfg.total_steps}"
-          + ("  [already in store: not retrained]" if was_done else ""), file=sys.stderr if args.json else sys.stdout)
+          f"model={args.model} params={n_params:,} steps={cfg.total_steps} threads={threads} ({chosen})"
+          + ("  [already in store: not retrained]" if was_done else ""), file=header)
     t0 = time.perf_counter()
     summary = dict(run(cfg, store, progress=not args.no_progress, require_calibration=not args.exploratory))
     if was_done:
         summary["cached"] = True
+    if cfg.label:
+        summary["label"] = cfg.label
     summary.setdefault("seconds", round(time.perf_counter() - t0, 3))
     _print_result(summary, args.json)
     return 0
@@ -403,7 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="task option, e.g. p=0.2 (markov) or n_pairs=12 (assoc_recall); repeatable")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--model", default="base", help=f"one of {', '.join(MODEL_PRESETS)}")
-    t.add_argument("--steps", type=int, default=None, help="step budget (default 3600)")
+    t.add_argument("--steps", type=int, default=None, help="step budget (default 3600); a path whose schedule "
+                   "settles later (fade600->0 ends at step 1050) is scaled to it as --quick does, and named so")
+    t.add_argument("--threads", type=int, default=None, help="torch threads (default: the free cores, "
+                   "runtime.choose_threads)")
     t.add_argument("--checkpoint-every", type=int, default=0, help="steps between resumable checkpoints")
     t.add_argument("--store", default="runs")
     t.add_argument("--json", action="store_true", help="print one JSON object as the last line")

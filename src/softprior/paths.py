@@ -250,9 +250,54 @@ def scale_path(path: PathConfig, factor: float) -> PathConfig:
                if k in fields and getattr(g.schedule, k) is not None}
         return g.model_copy(update={"schedule": g.schedule.model_copy(update=upd)})
 
-    return path.model_copy(update={"pos": gate(path.pos), "content": gate(path.content),
-                                   "parent": scale_path(path.parent, factor) if path.parent else None,
-                                   "parent_steps": s(path.parent_steps, 1), "steps": s(path.steps, 1)})
+    out = path.model_copy(update={"pos": gate(path.pos), "content": gate(path.content),
+                                  "parent": scale_path(path.parent, factor) if path.parent else None,
+                                  "parent_steps": s(path.parent_steps, 1), "steps": s(path.steps, 1)})
+    if factor == 1:
+        return out
+    # the help text follows the schedule (it is not hashed: run ids are those of the same path unscaled so far)
+    return out.model_copy(update={"description": f"{path.name} scaled x{factor:.4g}: {schedule_text(out)}"})
 
 
-__all__ += ["scale_path"]
+def schedule_text(path: PathConfig) -> str:
+    """The path's gate trajectories in words, with their step numbers: 'g = ...' when both gates
+    share one, else 'pos ...; content ...'."""
+    def one(g: GateConfig) -> str:
+        if g.mode == "learned":
+            return "learned"
+        return f"{g.value:g} throughout" if g.mode == "fixed" else g.schedule.describe()
+    pos, content = one(path.pos), one(path.content)
+    return f"g = {pos}" if pos == content else f"pos {pos}; content {content}"
+
+
+def settles_at(path: PathConfig) -> int | None:
+    """The first step from which every gate schedule of ``path`` holds its final value (a fade's end, a
+    switch's step; ``Schedule.settles_at``), or None when no schedule needs a particular budget (learned
+    or fixed gates, a linear schedule to the final step). A run of N steps (0 .. N - 1) follows the whole
+    trajectory only if ``settles_at < N``."""
+    ends = [g.schedule.settles_at for g in (path.pos, path.content) if g.schedule is not None]
+    ends = [e for e in ends if e is not None]
+    return max(ends) if ends else None
+
+
+def fits_budget(path: PathConfig, steps: int) -> bool:
+    """Whether a run of ``steps`` steps along ``path`` (and its parent's run, for a derived path)
+    follows the whole trajectory the path's name promises: False for fade600->0 on 200 steps, which
+    would never fade. ``path.steps`` / ``parent_steps``, where set, override ``steps`` as in ``RunConfig``."""
+    end = settles_at(path)
+    if end is not None and end >= (path.steps or steps):
+        return False
+    return path.parent is None or fits_budget(path.parent, path.parent_steps or steps)
+
+
+def scale_to_budget(path: PathConfig, steps: int, paper_steps: int = 3600) -> PathConfig:
+    """``path`` on a budget of ``steps`` instead of the paper's ``paper_steps``, scaled as ``--quick``
+    scales it (``scale_path``, factor steps / paper_steps), and named so: 'fade600->0 scaled 200/3600'
+    (a new name, so a new run id: it is not the paper's fade600->0)."""
+    if steps == paper_steps:
+        return path
+    out = scale_path(path, steps / paper_steps)
+    return out.model_copy(update={"name": f"{path.name} scaled {steps}/{paper_steps}"})
+
+
+__all__ += ["scale_path", "schedule_text", "settles_at", "fits_budget", "scale_to_budget"]

@@ -42,6 +42,15 @@ unscoped form: it applies both settings for the rest of the process (the scripts
 ``benchmarks/`` use it, timing code that runs outside ``train``; ``softprior bench`` runs inside
 ``training_settings()`` too). The allocator setting is
 process-wide in either case; it changes no numbers, only where freed memory goes.
+
+Threads (``choose_threads``). A sweep gives each worker process its share of the cores (cores //
+workers, one thread each with ``--workers 2`` on 2 cores). A single run (``softprior train``) takes the
+cores that are free: the usable cores less the 1-minute load average. On a machine where another
+job keeps a core busy, torch's default (every core) made a base run ~3x slower than one thread: its
+OpenMP team waits on the busy core at every parallel op. ``softprior train --threads N`` overrides
+the choice. The thread count is recorded in every run summary (``provenance``); like the group size
+it can change the last bits of a run (docs/DESIGN.md), so pin it with ``--threads`` to reproduce a
+run bit for bit.
 """
 
 from __future__ import annotations
@@ -52,7 +61,8 @@ import ctypes.util
 import os
 import threading
 
-__all__ = ["tune_allocator", "flush_denormals", "denormals_flushed", "prepare_training", "training_settings"]
+__all__ = ["tune_allocator", "flush_denormals", "denormals_flushed", "prepare_training", "training_settings",
+           "usable_cores", "free_cores", "choose_threads"]
 
 _M_TRIM_THRESHOLD = -1  # glibc malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -170,3 +180,31 @@ def training_settings():
     finally:
         if not before:  # (also when flushing reached only some threads)
             _set_flush_everywhere(False)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def free_cores() -> int:
+    """The usable cores that other work does not keep busy: ``usable_cores()`` less the 1-minute load
+    average (rounded), at least 1; all of them where the load is unknown."""
+    cores = usable_cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return cores
+    return max(1, min(cores, cores - round(load)))
+
+
+def choose_threads(workers: int = 1) -> tuple[int, str]:
+    """(torch threads for each of ``workers`` training processes, why): its share of the free cores
+    (``free_cores() // workers``, at least 1) and never more than its share of the usable ones (what a
+    sweep gives each worker: cores // workers)."""
+    cores, free, w = usable_cores(), free_cores(), max(1, workers)
+    n = max(1, min(cores // w, free // w))
+    return n, f"{free} of {cores} cores free" + (f", {w} workers" if w > 1 else "")

@@ -41,6 +41,13 @@ class Constant(_Frozen):
     def __call__(self, step: int, total_steps: int) -> float:
         return self.value
 
+    @property
+    def settles_at(self) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return f"{self.value:g} throughout"
+
 
 class Linear(_Frozen):
     """Linear from start_value at start_step to end_value at end_step (default: the final step)."""
@@ -59,6 +66,14 @@ class Linear(_Frozen):
             return self.end_value
         u = (step - self.start_step) / (end - self.start_step)
         return self.start_value + (self.end_value - self.start_value) * u
+
+    @property
+    def settles_at(self) -> int | None:
+        return self.end_step  # None: the run's final step, whatever its budget
+
+    def describe(self) -> str:
+        end = "the final step" if self.end_step is None else f"step {self.end_step}"
+        return f"linear {self.start_value:g} -> {self.end_value:g} from step {self.start_step} to {end}"
 
 
 class Fade(_Frozen):
@@ -89,6 +104,13 @@ class Fade(_Frozen):
     def end_step(self) -> int:
         return self.start_step + self.width
 
+    @property
+    def settles_at(self) -> int:
+        return self.end_step
+
+    def describe(self) -> str:
+        return f"{self.start_value:g} until step {self.start_step}, {self.shape} fade to {self.end_value:g} by step {self.end_step}"
+
 
 class HardSwitch(_Frozen):
     """g = before for step < at, then after."""
@@ -100,6 +122,13 @@ class HardSwitch(_Frozen):
 
     def __call__(self, step: int, total_steps: int) -> float:
         return self.before if step < self.at else self.after
+
+    @property
+    def settles_at(self) -> int:
+        return self.at
+
+    def describe(self) -> str:
+        return f"{self.before:g} until step {self.at}, then {self.after:g}"
 
 
 Schedule = Annotated[Union[Constant, Linear, Fade, HardSwitch], Field(discriminator="kind")]
