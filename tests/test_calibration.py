@@ -281,3 +281,196 @@ def test_formation_by_axis_names_the_axis_that_moves_formation():
     assert "| embed_init_std | 0.3: 100% of 3, step 1200; 1.0: 0% of 3 |" in text
     assert "| n_pairs | 6: 67% of 3, step 1050; 10: 33% of 3, step 1500 |" in text
     assert formation_by_axis([cand(0, 0.3, 6, [])]) == ""
+
+
+# ------------------------------------------------------------------ records that prove themselves (issue 28)
+def _write(path: Path, rec: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1, sort_keys=True))
+    return path
+
+
+def _rehash(rec: dict) -> str:
+    """A record's hash recomputed by its scheme (v2: everything but the hash), worked out here."""
+    import hashlib
+    body = {k: v for k, v in rec.items() if k != "hash"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _one_line_refusal(err, file):
+    """A refused record: ``RecordRefused`` (a ``CalibrationMissing``), one line naming the file."""
+    from softprior.calibration import record
+    assert type(err).__name__ == "RecordRefused" and isinstance(err, record.RecordRefused)
+    assert str(file) in str(err) and len(str(err).splitlines()) == 1
+
+
+def test_shipped_records_verify_under_their_own_hash_scheme():
+    from softprior.calibration.record import all_shipped_records, record_hash
+    recs = all_shipped_records()
+    assert len(recs) == 6
+    for r in recs:  # written before v2: hash v1 (content and keys, not the time), their hashes unchanged
+        assert "hash_scheme" not in r and record_hash(r) == r["hash"]
+    assert {r["hash"] for r in recs} >= {"31adace4006c89a3", "aa70d8db9a375838", "1266da7864a115c7"}
+    # v1 leaves the time out of the hash; v2 (what make_record writes) covers content, keys and time
+    v1 = dict(recs[0], registered_at="1999-01-01T00:00:00Z")
+    assert record_hash(v1) == recs[0]["hash"]
+    rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, ["k"], {"x": 0.5}, True)
+    assert rec["hash_scheme"] == 2 and record_hash(rec) == rec["hash"] and len(rec["hash"]) == 16
+    for field, value in (("registered_at", "1999-01-01T00:00:00Z"), ("keys", ["k", "other"]), ("measured", {"x": 0.6})):
+        assert record_hash({**rec, field: value}) != rec["hash"], field
+
+
+def test_a_forged_record_is_refused_naming_the_file(tmp_path, capsys):
+    store = RunStore(tmp_path / "s")
+    cfg = _fade_cfg()
+    # a record that names the configuration, with a hash that is not its content's
+    real = make_record(load_space("tiny"), {"n_pairs": 4}, {}, [calibration_key(cfg)], {}, True)
+    forged = _write(store.root / "calibration" / f"assoc_recall-{'0' * 16}.json", {**real, "hash": "0" * 16})
+    with pytest.raises(CalibrationMissing) as e:
+        execute([cfg], store, progress=False)
+    _one_line_refusal(e.value, forged)
+    assert "forged or edited" in str(e.value) and store.status(cfg.run_id) is None
+    from softprior.cli import main
+    rc = main(["train", "--task", "assoc_recall", "--path", "fade600", "--task-opt", "n_pairs=4", "--steps", "6",
+               "--store", str(store.root), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(forged) in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_edited_record_is_refused_naming_the_file(tmp_path, monkeypatch):
+    from softprior.calibration import record as R
+    store = RunStore(tmp_path / "s")
+    cfg = _fade_cfg()
+    rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, [calibration_key(cfg)], {"x": 0.5}, True)
+    p = save_record(store.root, rec)
+    assert check_calibrated([cfg], store.root) == {cfg.run_id: rec["hash"]}
+    for field, value in (("measured", {"x": 0.9}), ("registered_at", "2020-01-01T00:00:00Z")):
+        _write(p, {**rec, field: value})  # edited in place, the hash kept
+        with pytest.raises(CalibrationMissing) as e:
+            check_calibrated([cfg], store.root)
+        _one_line_refusal(e.value, p)
+    # a shipped record edited after it was written: the package default is refused where it is read
+    ship = tmp_path / "registered"
+    for f in R._shipped_files():
+        (ship / Path(str(f)).name).parent.mkdir(exist_ok=True)
+        (ship / Path(str(f)).name).write_text(f.read_text())
+    shipped = json.loads((ship / "assoc_recall.json").read_text())
+    _write(ship / "assoc_recall.json", {**shipped, "task_options": {**shipped["task_options"], "n_pairs": 8}})
+    monkeypatch.setattr(R, "_shipped_files", lambda: sorted(ship.glob("*.json")))
+    with pytest.raises(CalibrationMissing) as e:
+        make_run_config("assoc_recall", "fade600")
+    _one_line_refusal(e.value, ship / "assoc_recall.json")
+
+
+def test_a_back_dated_record_added_after_its_rows_is_refused(tmp_path):
+    from softprior.calibration.record import covering_records
+    store = RunStore(tmp_path / "s")
+    cfg = _fade_cfg()
+    execute([cfg], store, progress=False, require_calibration=False)  # exploratory: trained under no record
+    # then a record of that configuration, back-dated to before the row and hashed correctly, is put in the store
+    rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, [calibration_key(cfg)], {}, True)
+    rec["registered_at"] = "2020-01-01T00:00:00Z"
+    rec["hash"] = _rehash(rec)
+    late = _write(store.root / "calibration" / f"assoc_recall-{rec['hash']}.json", rec)
+    other_seed = cfg.model_copy(update={"seed": 1})
+    for call in (lambda: check_calibrated([other_seed], store.root), lambda: covering_records([cfg], store.root),
+                 lambda: save_record(store.root, rec)):
+        with pytest.raises(CalibrationMissing) as e:
+            call()
+        _one_line_refusal(e.value, late)
+        assert cfg.run_id in str(e.value) and "after the fact" in str(e.value)
+    assert store.index.record_sightings().get(rec["hash"]) is None  # never taken into the store's clock
+    assert [r["record"] for r in store.rows()] == [""]  # the row keeps the (no) record it ran under
+
+
+def test_a_row_is_covered_only_by_a_record_the_store_saw_before_it_started(tmp_path):
+    from softprior.calibration.record import covering_records
+    store = RunStore(tmp_path / "s")
+    cfg = _fade_cfg()
+    assert store.claim(cfg)  # the row starts (a sweep claims it) ...
+    rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, [calibration_key(cfg)], {}, True)
+    save_record(store.root, rec)  # ... and only then is its record written
+    later = cfg.model_copy(update={"seed": 1})
+    assert covering_records([cfg, later], store.root) == {cfg.run_id: None, later.run_id: rec["hash"]}
+    assert store.index.record_sightings()[rec["hash"]] > store.index.started([cfg.run_id])[cfg.run_id]
+    # a row trained after the record stores the hash it ran under
+    assert not execute([later], store, progress=False).failed
+    row = next(r for r in store.rows() if r["run_id"] == later.run_id)
+    assert row["record"] == rec["hash"] == store.summary(later.run_id)["calibration"]
+
+
+def test_record_sightings_are_append_only(tmp_path):
+    import sqlite3
+    store = RunStore(tmp_path / "s")
+    seen = store.index.see_records({"a" * 16: "x.json"})
+    assert store.index.see_records({"a" * 16: "y.json"}) == seen  # the first sighting stays
+    with sqlite3.connect(store.root / "index.sqlite") as db:
+        for sql in ("UPDATE record_sightings SET first_seen = 0", "DELETE FROM record_sightings"):
+            with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+                db.execute(sql)
+
+
+# ------------------------------------------------------------------ git, the clock of the shipped records
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_records_precede_the_tables_computed_under_them():
+    from softprior.calibration.record import git_clock_problems
+    problems = git_clock_problems(REPO)
+    if problems is None:
+        pytest.skip("git or the repository's history is not available here")
+    assert problems == []
+
+
+def _git(repo, *args):
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+def _history(tmp_path, steps):
+    """A repository with the project's layout, one commit per (message, {path: text}) step."""
+    import shutil
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "repo"
+    repo.mkdir(parents=True)
+    _git(repo, "init", "-q")
+    for msg, files in steps:
+        for rel, text in files.items():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", msg)
+    return repo
+
+
+def test_git_clock_refuses_a_record_added_or_edited_after_its_tables(tmp_path):
+    from softprior.calibration.record import git_clock_problems, record_hash
+    rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, ["k"], {}, True)
+    reg = "src/softprior/calibration/registered/assoc_recall.json"
+    table = "docs/results/paths/table.md"
+    text = json.dumps(rec, indent=1, sort_keys=True)
+    md = f"| a | b |\n\n_Provenance of these 3 runs: code x (3); calibration record {rec['hash']} (3)._\n"
+    ok = _history(tmp_path / "ok", [("record", {reg: text}), ("table", {table: md})])
+    assert git_clock_problems(ok) == []
+    # the table first, then its record, back-dated
+    late = dict(rec, registered_at="2020-01-01T00:00:00Z")
+    late["hash"] = record_hash(late)
+    md_late = md.replace(rec["hash"], late["hash"])
+    repo = _history(tmp_path / "late", [("table", {table: md_late}), ("record", {reg: json.dumps(late)})])
+    (line,) = git_clock_problems(repo)
+    assert line.startswith(reg + ":") and late["hash"] in line
+    # a v1 record whose time was edited after its table (its hash leaves the time out)
+    v1 = {k: v for k, v in rec.items() if k not in ("hash_scheme", "hash")}
+    v1["hash"] = record_hash(v1)
+    md_v1 = md.replace(rec["hash"], v1["hash"])
+    repo = _history(tmp_path / "v1", [("record", {reg: json.dumps(v1)}), ("table", {table: md_v1}),
+                                      ("back-date", {reg: json.dumps(dict(v1, registered_at="2020-01-01T00:00:00Z"))})])
+    (line,) = git_clock_problems(repo)
+    assert line.startswith(reg + ":")
+    # a table naming a record the package does not ship
+    repo = _history(tmp_path / "none", [("table", {table: md})])
+    (line,) = git_clock_problems(repo)
+    assert line.startswith(table + ":") and rec["hash"] in line
+    assert git_clock_problems(tmp_path) is None  # not a repository

@@ -44,7 +44,28 @@ CREATE TABLE IF NOT EXISTS engine_errors (
     owner TEXT,
     created REAL
 );
+CREATE TABLE IF NOT EXISTS record_sightings (  -- the store's clock for calibration records: append-only
+    hash TEXT PRIMARY KEY,           -- a calibration record's hash
+    first_seen REAL NOT NULL,        -- when this store first read a valid record with that hash
+    source TEXT                      -- the file it was read from
+);
+CREATE TRIGGER IF NOT EXISTS record_sightings_no_update BEFORE UPDATE ON record_sightings
+BEGIN SELECT RAISE(ABORT, 'record_sightings is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS record_sightings_no_delete BEFORE DELETE ON record_sightings
+BEGIN SELECT RAISE(ABORT, 'record_sightings is append-only'); END;
 """
+
+
+def _add_record_column(db) -> None:
+    """``runs.record``: the hash of the calibration record a finished run ran under ('' for none; NULL
+    for runs committed before the store kept its clock, calibration/record.py)."""
+    if "record" not in {r[1] for r in db.execute("PRAGMA table_info(runs)")}:
+        try:
+            db.execute("ALTER TABLE runs ADD COLUMN record TEXT")
+        except sqlite3.OperationalError as e:  # another process added it first
+            if "duplicate column" not in str(e):
+                raise
+
 
 STALE_SECONDS = 6 * 3600.0  # a 'running' claim from another host without a heartbeat for this long is void
 
@@ -76,6 +97,7 @@ class RunIndex:
         self.root, self.owner = Path(root), owner
         with self._connect() as db:
             db.executescript(_SCHEMA)
+            _add_record_column(db)
 
     @contextmanager
     def _connect(self):
@@ -181,18 +203,20 @@ class RunIndex:
             return [dict(r) for r in db.execute("SELECT * FROM runs ORDER BY created")]
 
     def commit_done(self, cfg: RunConfig, summary: dict, sums: dict[str, tuple[str, int]]) -> None:
-        """Mark a run done with its summary and the checksums of its files, in one transaction."""
+        """Mark a run done with its summary and the checksums of its files, in one transaction; its
+        ``record`` is the summary's calibration record ('' for none)."""
         now = time.time()
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.execute(
-                    "INSERT INTO runs(run_id, status, task, path, seed, model, config, summary, owner, created, updated)"
-                    " VALUES(?, 'done', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    "INSERT INTO runs(run_id, status, task, path, seed, model, config, summary, owner, created, updated,"
+                    " record) VALUES(?, 'done', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT(run_id) DO UPDATE SET status='done', summary=excluded.summary, error=NULL,"
-                    " updated=excluded.updated",
+                    " updated=excluded.updated, record=excluded.record",
                     (cfg.run_id, cfg.task.name, cfg.path.name, cfg.seed, size_label(cfg.model),
-                     json.dumps(cfg.canonical(), sort_keys=True), json.dumps(summary), self.owner, now, now))
+                     json.dumps(cfg.canonical(), sort_keys=True), json.dumps(summary), self.owner, now, now,
+                     summary.get("calibration") or ""))
                 db.execute("DELETE FROM files WHERE run_id=?", (cfg.run_id,))
                 db.executemany("INSERT INTO files(run_id, name, sha256, size) VALUES(?, ?, ?, ?)",
                                [(cfg.run_id, name, h, n) for name, (h, n) in sums.items()])
@@ -211,3 +235,28 @@ class RunIndex:
         if len(rows) > 1:
             raise RunNotFoundError(f"run id prefix {run_id!r} is ambiguous: {', '.join(r['run_id'] for r in rows)}")
         return rows[0]
+
+    # ------------------------------------------------------------------ the clock of calibration records
+    def record_sightings(self) -> dict[str, float]:
+        """Calibration record hash -> when this store first saw it (``calibration/record.py``)."""
+        with self._connect() as db:
+            return {r["hash"]: r["first_seen"] for r in db.execute("SELECT hash, first_seen FROM record_sightings")}
+
+    def see_records(self, sources: dict[str, str]) -> dict[str, float]:
+        """Note now as the first sighting of each record hash of ``sources`` (hash -> file) not seen
+        before (append-only: an earlier sighting stays); returns every sighting."""
+        now = time.time()
+        with self._connect() as db:
+            db.executemany("INSERT OR IGNORE INTO record_sightings(hash, first_seen, source) VALUES(?, ?, ?)",
+                           [(h, now, src) for h, src in sources.items()])
+        return self.record_sightings()
+
+    def started(self, run_ids: list[str]) -> dict[str, float]:
+        """Run id -> when its row was created (its first claim), for those of ``run_ids`` in the index."""
+        out, ids = {}, list(run_ids)
+        with self._connect() as db:
+            for i in range(0, len(ids), 500):
+                part = ids[i:i + 500]
+                q = f"SELECT run_id, created FROM runs WHERE run_id IN ({','.join('?' * len(part))})"
+                out.update({r["run_id"]: r["created"] for r in db.execute(q, part)})
+        return out
