@@ -2,7 +2,8 @@
 
 The core is checked on hand-built quadratics whose tangent and projections are worked out by hand
 below; the model wrappers against finite differences of gradients the tests compute themselves
-(plain autograd through the model, float64)."""
+(plain autograd through the model, float64); the trace on planted snapshots whose tracking and
+solution cosines are known in sign and size (the last tests)."""
 
 import math
 
@@ -350,3 +351,68 @@ def test_continuation_trace_experiment_end_to_end(tmp_path):
     finally:
         cont.continuation_trace = orig
     assert calls == [1] and not again["grad_norm"].equals(computed["grad_norm"])
+
+
+# ------------------------------------------------------------------------------------ known answers (issue 28)
+# Traces over planted snapshots whose tangent direction and solution cosine are known in sign and size,
+# from quantities computed here independently (plain autograd and finite differences, float64). They
+# hold for any correct tangent solver and curvature: at a damping far above the curvature's scale,
+# t = -(K + lambda I)^{-1} A_w = -A_w / lambda (1 + O(||K|| / lambda)) for any K (Hessian, Gauss-Newton).
+def _planted(cfg, theta0: dict, direction: torch.Tensor, c: float) -> dict:
+    """A snapshot: ``theta0`` moved by ``c`` along the unit vector of ``direction`` (flat, the trace's layout)."""
+    model = build_model(cfg)
+    model.load_state_dict(theta0)
+    return {k: v.detach().clone() for k, v in _shifted(model, direction / direction.norm(), c).state_dict().items()}
+
+
+def _trace_batch(cfg, n):
+    return cfg.validation_batch(make_task(cfg.task), n=n)
+
+
+def test_trace_tangent_points_where_the_planted_change_goes():
+    cfg = make_run_config("assoc_recall", "fade10", steps=30)  # gate 0.5 until step 10, then falling
+    model = build_model(cfg)
+    theta0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    task, batch = make_task(cfg.task), _trace_batch(cfg, 32)
+    m64 = build_model(cfg).double()
+    m64.load_state_dict(theta0)
+    # A along both gates at g = 0.5, by a central difference of the plain gradient (float64)
+    g0, eps = 0.5, 1e-5
+    a11 = (_grad(m64, task, batch, g0 + eps, g0 + eps) - _grad(m64, task, batch, g0 - eps, g0 - eps)) / (2 * eps)
+    dg = C.path_gates(cfg.path, 20, cfg.total_steps)[0] - g0  # the fade's gate change from step 10 to 20
+    assert dg < 0
+    a_w = dg * a11  # d/d delta grad L(theta, g0 + delta (dg, dg)): the mixed derivative along the path's change
+    lam, c = 1e4, 1.0  # a damping far above the curvature: t = -A_w / lambda to O(||K|| / lambda)
+    kw = dict(n_examples=32, damping=lam, max_iter=10)
+    for sign in (1.0, -1.0):  # planted along -A_w (the optimum's motion), then against it
+        after = _planted(cfg, theta0, -sign * a_w.float(), c)
+        df = C.continuation_trace([(10, theta0), (20, after)], cfg, [(0, 0)], **kw)
+        assert df["dg_pos"][0] == pytest.approx(dg) and df["dg_content"][0] == pytest.approx(dg)
+        assert df["tracking_cos"][0] == pytest.approx(sign, abs=1e-3)
+        # ||t|| / ||theta' - theta|| = (||A_w|| / lambda) / c
+        assert df["norm_ratio"][0] == pytest.approx(float(a_w.norm()) / (lam * c), rel=1e-2)
+        assert math.isnan(df["tracking_cos"][1])
+    # the tangent itself, by the public solver with the trace's settings, is -A_w / lambda
+    t = C.optimum_tangent(model, task, batch, gate=(g0, g0), direction=(dg, dg), damping=lam, max_iter=10)
+    cos = float(t.tangent.double() @ -a_w) / float(t.tangent.double().norm() * a_w.norm())
+    assert cos == pytest.approx(1.0, abs=1e-3)
+
+
+def test_trace_solution_cosine_is_the_planted_angle():
+    cfg = make_run_config("assoc_recall", "fade10", steps=30)  # the gate is flat over 0..10: no tangent
+    model = build_model(cfg)
+    theta0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    task, batch = make_task(cfg.task), _trace_batch(cfg, 32)
+    m64 = build_model(cfg).double()
+    m64.load_state_dict(theta0)
+    g = _grad(m64, task, batch, 0.0, 0.0)  # the zero-gate gradient at theta0
+    g = g / g.norm()
+    r = torch.randn(g.numel(), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    u = r - (r @ g) * g  # orthogonal to the gradient
+    u = u / u.norm()
+    for move, want in ((-g, 1.0), (g, -1.0), (-(g + u), 1 / math.sqrt(2)), (u - g * math.sqrt(3), math.sqrt(3) / 2)):
+        final = _planted(cfg, theta0, move.float(), 1.0)  # the run ends at theta0 + move (unit length)
+        df = C.continuation_trace([(0, theta0), (10, final)], cfg, [(0, 0)], n_examples=32)
+        assert df["solution_cos"][0] == pytest.approx(want, abs=1e-4), want
+        assert math.isnan(df["solution_cos"][1])  # the last snapshot is where the run ends
+        assert df["tracking_cos"].isna().all()  # the gate did not move
