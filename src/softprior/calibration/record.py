@@ -70,7 +70,14 @@ class CalibrationMissing(RuntimeError):
 class RecordRefused(CalibrationMissing):
     """A calibration record that does not prove itself: unreadable, its hash not its content's (forged,
     or edited after it was written), or first seen by the store after a prediction row it covers had
-    started. The message is one line naming the file."""
+    started. The message is one line naming the file (``file``; ``why``: the rest)."""
+
+    def __init__(self, file: str, why: str):
+        super().__init__(f"calibration record {file}: {why}")
+        self.file, self.why = file, why
+
+    def __reduce__(self):  # (pickled across worker processes)
+        return type(self), (self.file, self.why)
 
 
 def _canon(obj) -> str:
@@ -113,15 +120,15 @@ def verify_record(rec, where: str) -> dict:
     """``rec`` if its hash is the hash of its content (``record_hash``), else ``RecordRefused`` naming
     ``where`` (the file it was read from)."""
     if not isinstance(rec, dict) or not isinstance(rec.get("hash"), str) or not isinstance(rec.get("keys"), list):
-        raise RecordRefused(f"calibration record {where}: not a record (a JSON object with a hash and keys)")
+        raise RecordRefused(where, "not a record (a JSON object with a hash and keys)")
     try:
         got = record_hash(rec)
     except ValueError as e:
-        raise RecordRefused(f"calibration record {where}: {e}") from None
+        raise RecordRefused(where, str(e)) from None
     if got != rec["hash"]:
-        raise RecordRefused(f"calibration record {where}: its hash {rec['hash']} is not the hash of its content "
-                            f"({got}, scheme v{rec.get('hash_scheme', 1)}): it was forged or edited after it was "
-                            "written; remove it (`softprior store verify --repair` moves it aside)")
+        raise RecordRefused(where, f"its hash {rec['hash']} is not the hash of its content ({got}, scheme "
+                                   f"v{rec.get('hash_scheme', 1)}): it was forged or edited after it was written; "
+                                   "remove it (`softprior store verify --repair` moves it aside)")
     return rec
 
 
@@ -136,8 +143,7 @@ def read_record(path, text: str | None = None) -> dict:
         text = path.read_text() if text is None else text
         rec = json.loads(text)
     except (OSError, ValueError) as e:
-        raise RecordRefused(f"calibration record {where}: unreadable ({type(e).__name__}: "
-                            f"{' '.join(str(e).split())[:120]})") from None
+        raise RecordRefused(where, f"unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
     if (where, text) not in _VERIFIED:
         verify_record(rec, where)
         _VERIFIED.add((where, text))
@@ -279,6 +285,12 @@ def rows_started_before(rows: Iterable[dict], rec: dict, seen: float | None) -> 
     return out
 
 
+def late_record_reason(run_id: str) -> str:
+    return (f"prediction row {run_id} of its configuration was trained before the store first saw this record: "
+            "a record added after the fact covers nothing; remove it (`softprior store verify --repair` moves it "
+            "aside)")
+
+
 def _sight(index, found: list[tuple[str, dict, bool]]) -> dict[str, float]:
     """Note in ``index`` each record of ``found`` (file, record, shipped) it has not seen before, after
     refusing a store record that covers a prediction row already in the store; returns hash -> first seen."""
@@ -292,9 +304,7 @@ def _sight(index, found: list[tuple[str, dict, bool]]) -> dict[str, float]:
             continue
         early = rows_started_before(rows, rec, None)
         if early:
-            raise RecordRefused(f"calibration record {where}: prediction row {early[0]} of its configuration was "
-                                "trained before the store first saw this record: a record added after the fact "
-                                "covers nothing; remove it (`softprior store verify --repair` moves it aside)")
+            raise RecordRefused(where, late_record_reason(early[0]))
     return index.see_records({r["hash"]: w for w, r, _ in new})
 
 
