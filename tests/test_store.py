@@ -259,6 +259,37 @@ def test_corrupt_index_raises_store_error(tmp_path):
         RunStore(root)
 
 
+def test_an_unreadable_run_points_at_store_verify(done_run):
+    """It used to say "checkpoint does not match its config", which names no way out."""
+    from softprior.store import StoreDamagedError
+    store, cfg, _ = done_run
+    (store.run_dir(cfg.run_id) / "final.safetensors").write_bytes(b"not weights")
+    for call in (store.load_model, store.load_state):
+        with pytest.raises(StoreDamagedError, match=r"`softprior store verify --store .*` checks every run"):
+            call(cfg.run_id)
+
+
+def test_a_store_opened_read_only_is_read_and_never_written(done_run, tmp_path):
+    """``read_only=True`` (the commands that only read): no store is created, every write refuses."""
+    from softprior.store import StoreNotFoundError, StoreReadOnlyError
+    with pytest.raises(StoreNotFoundError, match="check --store"):
+        RunStore(tmp_path / "typo", read_only=True)
+    assert not (tmp_path / "typo").exists()
+    store, cfg, result = done_run
+    ro = RunStore(store.root, read_only=True)
+    assert ro.read_only and not store.read_only
+    assert ro.summary(cfg.run_id) == store.summary(cfg.run_id) and ro.rows() == store.rows()
+    assert state_dicts_equal(ro.load_state(cfg.run_id), result.state_dict)
+    other = tiny_config(seed=1)
+    for write in (lambda: ro.claim(other), lambda: ro.record_failure(other, "x"), lambda: ro.forget([cfg.run_id]),
+                  lambda: ro.heartbeat(), lambda: ro.save_checkpoint(other.run_id, {"tensors": {}, "meta": {}}),
+                  lambda: ro.save_result(result), lambda: ro.files.drop_checkpoint(cfg.run_id)):
+        with pytest.raises(StoreReadOnlyError, match="open read-only"):
+            write()
+    assert ro.write_cache("x.csv", b"1") == store.root / "analysis_cache" / "x.csv"  # a cache, where it can be
+    assert store.is_done(cfg.run_id) and store.status(other.run_id) is None
+
+
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root ignores directory permissions")
 def test_read_only_store_directory(tmp_path):
     ro = tmp_path / "ro"

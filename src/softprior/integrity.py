@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import RunConfig, config_hash
-from .store import RunStore, StoreError, sha256_file
+from .store import RunStore, StoreNotFoundError, StoreReadOnlyError, sha256_file
+from .store.index import connect_read_only
 
 __all__ = ["verify_store", "VerifyReport", "Problem", "REQUIRED_FILES"]
 
@@ -64,6 +65,7 @@ class VerifyReport:
     unfinished: list[str] = field(default_factory=list)  # run directories without a finished run
     requeued: list[str] = field(default_factory=list)  # damaged runs whose records --repair deleted
     rebuilt: int | None = None  # runs indexed again after an index rebuild
+    read_only: bool = False  # the store's directory cannot be written (verified all the same; no --repair)
 
     @property
     def damaged_runs(self) -> list[str]:
@@ -75,21 +77,23 @@ class VerifyReport:
 
     def lines(self) -> list[str]:
         where = f"store {str(self.root)!r}"
+        ro = " (read-only: checked without writing)" if self.read_only else ""
         if self.healthy:
-            out = [f"{where} is healthy: {self.runs} finished runs, {self.files} files match the SHA-256 checksums "
-                   "recorded when they were written"]
+            out = [f"{where} is healthy{ro}: {self.runs} finished runs, {self.files} files match the SHA-256 "
+                   "checksums recorded when they were written"]
         else:
             out = [p.line() for p in self.problems]
             bad = self.damaged_runs
             repaired = bool(self.requeued) or self.rebuilt is not None
+            fix = ("; the store is read-only: copy it somewhere writable, then `softprior store verify --repair` "
+                   "there ") if self.read_only else "; `softprior store verify --repair` "
             if self.index_damaged:
                 out.append(f"{where}: the index is damaged" + (f", and {len(bad)} run(s): {', '.join(bad)}" if bad else "")
-                           + ("" if repaired else "; `softprior store verify --repair` rebuilds it from the run "
-                              "directories, keeping every intact run and re-queueing damaged ones"))
+                           + ("" if repaired else fix + "rebuilds it from the run directories, keeping every intact "
+                              "run and re-queueing damaged ones"))
             else:
                 out.append(f"{where}: {len(bad)} damaged run(s) ({', '.join(bad)}); the other {self.runs - len(bad)} "
-                           "finished runs are intact" + ("" if repaired else
-                                                         ". `softprior store verify --repair` re-queues only the damaged runs"))
+                           "finished runs are intact" + ("" if repaired else fix + "re-queues only the damaged runs"))
         if self.unverified:
             out.append(f"note: {len(self.unverified)} finished run(s) have no recorded checksums (written before "
                        "checksums were recorded): checked for readability only")
@@ -110,8 +114,8 @@ def _read_index(path: Path):
     """(rows of finished runs {run_id: row}, checksums {run_id: {name: (sha, size)}}, all run ids, error).
     Only reads; whatever could be read is returned even when ``error`` is set."""
     done, sums, ids, error = {}, {}, set(), None
-    try:  # a plain connection that only reads (mode=ro would leave the WAL files behind when it closes)
-        db = sqlite3.connect(path, timeout=60.0)
+    try:  # never writes, read-only store or not (a read-only store is not a damaged one)
+        db = connect_read_only(path)
     except sqlite3.Error as e:
         return done, sums, ids, f"cannot be opened ({e})"
     try:
@@ -219,9 +223,14 @@ def verify_store(root: str | os.PathLike, repair: bool = False) -> VerifyReport:
     root = Path(root)
     index = root / "index.sqlite"
     if not index.is_file():
-        raise StoreError(f"no run store at {str(root)!r} (no index.sqlite there)")
+        raise StoreNotFoundError(f"no run store at {str(root)!r} (no index.sqlite there); check --store")
+    read_only = not os.access(root, os.W_OK)
+    if repair and read_only:
+        raise StoreReadOnlyError(f"store {str(root)!r} is read-only (its directory cannot be written): --repair "
+                                 "needs write access; `softprior store verify` without --repair checks it, or copy "
+                                 "the store somewhere writable and repair the copy")
     done, sums, ids, error = _read_index(index)
-    report = VerifyReport(root)
+    report = VerifyReport(root, read_only=read_only)
     if error:
         report.index_damaged = True
         report.problems.append(Problem(None, "index.sqlite", f"the index is damaged: {error}"))
@@ -244,17 +253,7 @@ def verify_store(root: str | os.PathLike, repair: bool = False) -> VerifyReport:
         report.requeued, report.rebuilt = _rebuild_index(root, sums, stamp)
         return report
     bad = report.damaged_runs
-    store = RunStore(root)
-    with store._connect() as db:
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            for rid in bad:
-                db.execute("DELETE FROM runs WHERE run_id=?", (rid,))
-                db.execute("DELETE FROM files WHERE run_id=?", (rid,))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+    RunStore(root, read_only=False).forget(bad)
     for rid in bad:
         _move_aside(root, rid, stamp)
     report.requeued = bad
@@ -274,7 +273,7 @@ def _rebuild_index(root: Path, salvaged: dict, stamp: str) -> tuple[list[str], i
         f = root / f"index.sqlite{suffix}"
         if f.exists():
             os.replace(f, root / f"index.sqlite.damaged.{stamp}{suffix}")
-    store = RunStore(root)  # a fresh, empty index
+    store = RunStore(root, read_only=False)  # a fresh, empty index
     requeued, indexed = [], 0
     scratch = VerifyReport(root)
     for d in sorted(p for p in (root / "runs").iterdir() if p.is_dir()):

@@ -20,6 +20,11 @@ claimed in an IMMEDIATE transaction so that two processes never train the same r
 Layout of the code: ``index`` (``RunIndex``: SQLite, leases, checksums, engine errors), ``files``
 (``RunFiles``: run directories, safetensors, checkpoints, snapshots), and ``RunStore`` here, which
 puts the two together (files first, then the index commit) and builds models from stored weights.
+
+A store can be read where it cannot be written (shared read-only, on a read-only mount): opened
+read-only, it creates nothing, writes nothing (the index through ``index.connect_read_only``), and a
+write raises ``StoreReadOnlyError``. The commands that only read (eval, report, export, store verify)
+open it so; ``RunStore(root)`` does when the store exists and its directory cannot be written.
 """
 
 from __future__ import annotations
@@ -31,28 +36,42 @@ from pathlib import Path
 import torch
 
 from ..config import RunConfig
-from .errors import RunNotFoundError, StoreError
-from .files import RunFiles, sha256_file
+from .errors import RunNotFoundError, StoreDamagedError, StoreError, StoreNotFoundError, StoreReadOnlyError
+from .files import RunFiles, _atomic_write_bytes, sha256_file
 from .index import STALE_SECONDS, RunIndex
 
-__all__ = ["RunStore", "RunIndex", "RunFiles", "StoreError", "RunNotFoundError", "load_results", "sha256_file",
-           "STALE_SECONDS"]
+__all__ = ["RunStore", "RunIndex", "RunFiles", "StoreError", "RunNotFoundError", "StoreNotFoundError",
+           "StoreReadOnlyError", "StoreDamagedError", "load_results", "sha256_file", "STALE_SECONDS"]
 
 
 class RunStore:
-    """The run store: an index (``RunIndex``) and the runs' files (``RunFiles``) under one root."""
+    """The run store: an index (``RunIndex``) and the runs' files (``RunFiles``) under one root.
 
-    def __init__(self, root: str | os.PathLike = "runs"):
+    ``read_only``: True opens an existing store for reading only (``StoreNotFoundError`` if there is
+    none: reading never creates a store); False needs a writable store, created if missing; None (the
+    default) is False unless the store exists and its directory cannot be written (then True)."""
+
+    def __init__(self, root: str | os.PathLike = "runs", *, read_only: bool | None = None):
         self.root = Path(root)
-        try:
-            (self.root / "runs").mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".write-probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise StoreError(f"store directory {str(self.root)!r} cannot be written: {e.strerror}") from None
-        self.index = RunIndex(self.root, f"{socket.gethostname()}:{os.getpid()}")
-        self.files = RunFiles(self.root)
+        exists = (self.root / "index.sqlite").is_file()
+        if read_only is None:
+            read_only = exists and not os.access(self.root, os.W_OK)
+        self.read_only = read_only
+        if read_only:
+            if not exists:
+                raise StoreNotFoundError(
+                    f"no run store at {str(self.root)!r} (no index.sqlite there); check --store, or create one "
+                    "with `softprior train` or `softprior reproduce`")
+        else:
+            try:
+                (self.root / "runs").mkdir(parents=True, exist_ok=True)
+                probe = self.root / f".write-probe-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as e:
+                raise StoreError(f"store directory {str(self.root)!r} cannot be written: {e.strerror}") from None
+        self.index = RunIndex(self.root, f"{socket.gethostname()}:{os.getpid()}", read_only=read_only)
+        self.files = RunFiles(self.root, read_only=read_only)
 
     @property
     def owner(self) -> str:
@@ -64,9 +83,6 @@ class RunStore:
         self.index.owner = value
 
     # ------------------------------------------------------------------ the index
-    def _connect(self):
-        return self.index._connect()
-
     def status(self, run_id: str) -> str | None:
         return self.index.status(run_id)
 
@@ -118,6 +134,24 @@ class RunStore:
         self.index.commit_done(cfg, result.summary, sums)
         self.files.drop_checkpoint(cfg.run_id)
 
+    def forget(self, run_ids: list[str]) -> None:
+        """Delete the index rows of ``run_ids`` (re-queued: the next sweep trains them again)."""
+        self.index.forget(run_ids)
+
+    def write_cache(self, name: str, data: bytes) -> Path | None:
+        """Write ``STORE/analysis_cache/NAME`` atomically, for a report to read back instead of computing
+        it again. A cache is no part of the store's record: it is written where the directory can be
+        written (a store opened read-only by a report included) and skipped (None) where it cannot."""
+        if not os.access(self.root, os.W_OK):
+            return None
+        f = self.root / "analysis_cache" / name
+        try:
+            f.parent.mkdir(exist_ok=True)
+            _atomic_write_bytes(f, data)
+        except OSError:  # e.g. a read-only mount that os.access did not report
+            return None
+        return f
+
     def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
         self.files.save_checkpoint(run_id, ckpt)
         self.index.heartbeat(run_id)
@@ -157,7 +191,9 @@ class RunStore:
         try:
             model.load_state_dict(self.load_state(run_id))
         except RuntimeError as e:
-            raise StoreError(f"run {cfg.run_id!r}: checkpoint does not match its config ({str(e)[:200]})") from None
+            raise StoreDamagedError(f"run {cfg.run_id!r}: its weights do not fit its config ({str(e)[:200]}); "
+                                    f"`softprior store verify --store {str(self.root)!r}` checks every run, and "
+                                    "with --repair re-queues the damaged ones") from None
         model.eval()
         return cfg, model
 
@@ -168,7 +204,7 @@ def load_results(store: str | os.PathLike | RunStore = "runs"):
 
     import pandas as pd
 
-    st = store if isinstance(store, RunStore) else RunStore(store)
+    st = store if isinstance(store, RunStore) else RunStore(store, read_only=True)
     records = []
     for r in st.rows():
         if r["status"] != "done":

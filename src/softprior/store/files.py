@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import RunConfig
-from .errors import StoreError
+from .errors import StoreDamagedError, StoreReadOnlyError
 
 __all__ = ["RunFiles", "sha256_file"]
 
@@ -82,14 +82,25 @@ def _read_checkpoint(f: Path) -> dict | None:
 
 
 class RunFiles:
-    def __init__(self, root: Path):
-        self.root = Path(root)
+    """``read_only``: every method that would write raises ``StoreReadOnlyError`` first."""
+
+    def __init__(self, root: Path, read_only: bool = False):
+        self.root, self.read_only = Path(root), read_only
 
     def run_dir(self, run_id: str) -> Path:
         return self.root / "runs" / run_id
 
+    def _writable(self) -> None:
+        if self.read_only:
+            raise StoreReadOnlyError.at(self.root)
+
+    def _damaged(self, run_id: str, what: str) -> StoreDamagedError:
+        return StoreDamagedError(f"run {run_id!r}: {what}; `softprior store verify --store {str(self.root)!r}` "
+                                 "checks every run, and with --repair re-queues the damaged ones")
+
     def write_result(self, result) -> dict[str, tuple[str, int]]:
         """Write a finished run's files; return {name: (SHA-256, size)} of every file written."""
+        self._writable()
         cfg = result.config
         d = self.run_dir(cfg.run_id)
         d.mkdir(parents=True, exist_ok=True)
@@ -111,10 +122,12 @@ class RunFiles:
     # for a group (engine.train_group), ``group_checkpoint.safetensors`` in its first run's directory,
     # whose metadata names the group's runs in order. Sweep workers write these files (never the index).
     def drop_checkpoint(self, run_id: str) -> None:
+        self._writable()
         for name in ("checkpoint.safetensors", GROUP_CHECKPOINT):
             (self.run_dir(run_id) / name).unlink(missing_ok=True)
 
     def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
+        self._writable()
         d = self.run_dir(run_id)
         d.mkdir(parents=True, exist_ok=True)
         for step, weights in ckpt.get("snapshots", []):  # snapshots so far survive a kill too
@@ -143,6 +156,7 @@ class RunFiles:
         return ck
 
     def save_group_checkpoint(self, run_ids: list[str], ckpt: dict) -> None:
+        self._writable()
         d = self.run_dir(run_ids[0])
         d.mkdir(parents=True, exist_ok=True)
         _atomic_save_tensors(d / GROUP_CHECKPOINT, ckpt["tensors"], {"meta": {**ckpt["meta"], "run_ids": list(run_ids)}})
@@ -163,20 +177,20 @@ class RunFiles:
         try:
             return RunConfig.model_validate_json(f.read_text())
         except (OSError, ValueError) as e:
-            raise StoreError(f"run {run_id!r}: config.json is missing or corrupt ({type(e).__name__})") from None
+            raise self._damaged(run_id, f"config.json is missing or corrupt ({type(e).__name__})") from None
 
     def read_metrics(self, run_id: str) -> list[dict]:
         f = self.run_dir(run_id) / "metrics.jsonl"
         try:
             return [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
         except (OSError, ValueError) as e:
-            raise StoreError(f"run {run_id!r}: metrics.jsonl is missing or corrupt ({type(e).__name__})") from None
+            raise self._damaged(run_id, f"metrics.jsonl is missing or corrupt ({type(e).__name__})") from None
 
     def read_state(self, run_id: str) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(self.run_dir(run_id) / "final.safetensors"))
         except (SafetensorError, OSError, ValueError) as e:
-            raise StoreError(f"run {run_id!r}: final.safetensors is missing or corrupt ({e})") from None
+            raise self._damaged(run_id, f"final.safetensors is missing or corrupt ({e})") from None
 
     def read_snapshots(self, run_id: str) -> list[tuple[int, dict[str, torch.Tensor]]]:
         d = self.run_dir(run_id) / "snapshots"
@@ -185,5 +199,5 @@ class RunFiles:
             try:
                 out.append((int(f.stem.split("_")[1]), load_file(str(f))))
             except (SafetensorError, OSError, ValueError) as e:
-                raise StoreError(f"run {run_id!r}: snapshot {f.name} is corrupt ({e})") from None
+                raise self._damaged(run_id, f"snapshot {f.name} is corrupt ({e})") from None
         return out

@@ -1,6 +1,9 @@
 """The run store's index: SQLite (WAL mode, busy timeout) holding each run's status, config,
 summary and error, the leases that keep two processes from training one run, the checksums of the
-files a finished run wrote, and group-engine failures. Nothing here reads or writes a run's files."""
+files a finished run wrote, and group-engine failures. Nothing here reads or writes a run's files.
+
+An index opened read-only (``RunIndex(..., read_only=True)``, and ``integrity.verify_store`` always)
+never writes: see ``connect_read_only``."""
 
 from __future__ import annotations
 
@@ -11,12 +14,13 @@ import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import quote
 
 from ..config import RunConfig
 from ..model import size_label
-from .errors import RunNotFoundError, StoreError
+from .errors import RunNotFoundError, StoreDamagedError, StoreError, StoreReadOnlyError
 
-__all__ = ["RunIndex", "STALE_SECONDS"]
+__all__ = ["RunIndex", "STALE_SECONDS", "connect_read_only"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -92,26 +96,67 @@ def _same_host(owner: str | None) -> bool:
     return bool(owner) and owner.rpartition(":")[0] == socket.gethostname()
 
 
+def connect_read_only(path: Path) -> sqlite3.Connection:
+    """A connection to the index at ``path`` that cannot write it, nor leave a file behind.
+
+    Where the directory can be written, a plain connection with ``query_only`` (SQLite's ``mode=ro``
+    would leave the -wal and -shm files behind when it closes). Where it cannot (a store shared
+    read-only, a read-only mount), ``mode=ro``; a WAL database without its -shm file cannot be opened
+    so on read-only media, so then ``immutable=1`` (the file cannot change there), unless a non-empty
+    -wal file holds commits that only a writable open would read (then a one-line StoreReadOnlyError)."""
+    path = Path(path)
+    if os.access(path.parent, os.W_OK):
+        db = sqlite3.connect(path, timeout=60.0, isolation_level=None)
+        db.execute("PRAGMA query_only=ON")
+        return db
+    uri = f"file:{quote(str(path.resolve()))}"
+    try:
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=60.0, isolation_level=None)
+        db.execute("PRAGMA schema_version")  # SQLite opens the file here: on read-only media this may fail
+        return db
+    except sqlite3.OperationalError:
+        pass
+    wal = path.with_name(path.name + "-wal")
+    if wal.exists() and wal.stat().st_size > 0:
+        raise StoreReadOnlyError(
+            f"store {str(path.parent)!r} is read-only and its index has commits in {wal.name} that SQLite reads "
+            "only with write access: open it once where it can be written (e.g. `softprior store verify` there)")
+    return sqlite3.connect(f"{uri}?immutable=1", uri=True, timeout=60.0, isolation_level=None)
+
+
 class RunIndex:
-    def __init__(self, root: Path, owner: str):
-        self.root, self.owner = Path(root), owner
-        with self._connect() as db:
-            db.executescript(_SCHEMA)
-            _add_record_column(db)
+    """``read_only``: the index is opened with ``connect_read_only`` and every write raises
+    ``StoreReadOnlyError``; nothing is created (the index must exist)."""
+
+    def __init__(self, root: Path, owner: str, read_only: bool = False):
+        self.root, self.owner, self.read_only = Path(root), owner, read_only
+        if not read_only:
+            with self._connect(write=True) as db:
+                db.executescript(_SCHEMA)
+                _add_record_column(db)
 
     @contextmanager
-    def _connect(self):
+    def _connect(self, write: bool = False):
+        if self.read_only and write:
+            raise StoreReadOnlyError.at(self.root)
         try:
-            db = sqlite3.connect(self.root / "index.sqlite", timeout=60.0, isolation_level=None)
+            if self.read_only:
+                db = connect_read_only(self.root / "index.sqlite")
+            else:
+                db = sqlite3.connect(self.root / "index.sqlite", timeout=60.0, isolation_level=None)
         except sqlite3.Error as e:
             raise StoreError(f"cannot open the index of store {str(self.root)!r}: {e}") from None
         try:
-            db.execute("PRAGMA journal_mode=WAL")
+            if not self.read_only:
+                db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA busy_timeout=60000")
             db.row_factory = sqlite3.Row
             yield db
+        except sqlite3.OperationalError as e:  # locked, unwritable, ...: not damage
+            raise StoreError(f"store {str(self.root)!r}: the index cannot be used: {e}") from None
         except sqlite3.DatabaseError as e:
-            raise StoreError(f"store {str(self.root)!r} index is unreadable: {e}") from None
+            raise StoreDamagedError(f"store {str(self.root)!r} index is unreadable: {e}; `softprior store verify "
+                                    f"--store {str(self.root)!r} --repair` rebuilds it from the run directories") from None
         finally:
             db.close()
 
@@ -126,7 +171,7 @@ class RunIndex:
     def claim(self, cfg: RunConfig) -> bool:
         """Atomically mark ``cfg`` as running by this process. False if done or held by a live owner."""
         now = time.time()
-        with self._connect() as db:
+        with self._connect(write=True) as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 row = db.execute("SELECT status, owner, heartbeat FROM runs WHERE run_id=?",
@@ -156,7 +201,7 @@ class RunIndex:
 
     def heartbeat(self, run_id: str | None = None) -> None:
         """Refresh this process's claim on ``run_id``, or (None) on every run it holds."""
-        with self._connect() as db:
+        with self._connect(write=True) as db:
             if run_id is None:
                 db.execute("UPDATE runs SET heartbeat=? WHERE owner=? AND status='running'", (time.time(), self.owner))
             else:
@@ -164,7 +209,7 @@ class RunIndex:
 
     def release(self, run_id: str) -> None:
         """Drop this process's claim on an unfinished run (e.g. on Ctrl-C)."""
-        with self._connect() as db:
+        with self._connect(write=True) as db:
             db.execute("UPDATE runs SET heartbeat=0 WHERE run_id=? AND owner=? AND status='running'",
                        (run_id, self.owner))
 
@@ -176,7 +221,7 @@ class RunIndex:
 
     def record_failure(self, cfg: RunConfig, error: str) -> None:
         now = time.time()
-        with self._connect() as db:
+        with self._connect(write=True) as db:
             db.execute(
                 "INSERT INTO runs(run_id, status, task, path, seed, model, config, error, owner, created, updated)"
                 " VALUES(?, 'failed', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -188,7 +233,7 @@ class RunIndex:
     def record_engine_error(self, run_ids: list[str], error: str) -> None:
         """Keep the exception (with traceback) of a group engine that failed on ``run_ids`` (the sweep
         then retrains them alone, so the runs' own rows would not show it)."""
-        with self._connect() as db:
+        with self._connect(write=True) as db:
             db.execute("INSERT INTO engine_errors(run_ids, error, owner, created) VALUES(?, ?, ?, ?)",
                        (json.dumps(list(run_ids)), error, self.owner, time.time()))
 
@@ -206,7 +251,7 @@ class RunIndex:
         """Mark a run done with its summary and the checksums of its files, in one transaction; its
         ``record`` is the summary's calibration record ('' for none)."""
         now = time.time()
-        with self._connect() as db:
+        with self._connect(write=True) as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.execute(
@@ -225,13 +270,28 @@ class RunIndex:
                 db.execute("ROLLBACK")
                 raise
 
+    def forget(self, run_ids: list[str]) -> None:
+        """Delete the rows and checksums of ``run_ids`` in one transaction (``store verify --repair``
+        re-queues damaged runs so: the next sweep trains them again)."""
+        with self._connect(write=True) as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for rid in run_ids:
+                    db.execute("DELETE FROM runs WHERE run_id=?", (rid,))
+                    db.execute("DELETE FROM files WHERE run_id=?", (rid,))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
     def row(self, run_id: str):
         if not run_id:
             raise RunNotFoundError(f"empty run id {run_id!r}; give a run id or a prefix of one")
         with self._connect() as db:
             rows = db.execute("SELECT * FROM runs WHERE substr(run_id, 1, ?) = ?", (len(run_id), run_id)).fetchall()
         if not rows:
-            raise RunNotFoundError(f"run {run_id!r} not found in store {str(self.root)!r}")
+            raise RunNotFoundError(f"run {run_id!r} not found in store {str(self.root)!r} (give a run id, or a prefix "
+                                   "of one, as `softprior train` prints it; or check --store)")
         if len(rows) > 1:
             raise RunNotFoundError(f"run id prefix {run_id!r} is ambiguous: {', '.join(r['run_id'] for r in rows)}")
         return rows[0]
@@ -246,7 +306,7 @@ class RunIndex:
         """Note now as the first sighting of each record hash of ``sources`` (hash -> file) not seen
         before (append-only: an earlier sighting stays); returns every sighting."""
         now = time.time()
-        with self._connect() as db:
+        with self._connect(write=True) as db:
             db.executemany("INSERT OR IGNORE INTO record_sightings(hash, first_seen, source) VALUES(?, ?, ?)",
                            [(h, now, src) for h, src in sources.items()])
         return self.record_sightings()
