@@ -235,3 +235,89 @@ def test_rebuild_reindexes_a_run_whose_checksum_rows_alone_were_lost(filled):
     _intact(fresh, held)
     assert "metrics.jsonl" in fresh.file_checksums(victim)  # recorded again from the file
     assert verify_store(store.root).healthy
+
+
+# ------------------------------------------------------------------ everything the store owns (issue 28)
+def _forget_checksum(store: RunStore, run_id: str, name: str):
+    with sqlite3.connect(store.root / "index.sqlite") as db:
+        db.execute("DELETE FROM files WHERE run_id=? AND name=?", (run_id, name))
+
+
+@pytest.mark.parametrize("truncated", [True, False])
+def test_a_snapshot_without_a_checksum_row_is_reported(filled, truncated, capsys):
+    store, cfgs, held = filled
+    victim = cfgs[2]
+    _forget_checksum(store, victim.run_id, SNAP)
+    if truncated:
+        _truncate(store.run_dir(victim.run_id) / SNAP)
+        with pytest.raises(StoreError):
+            store.load_snapshots(victim.run_id)  # what a report would meet
+    rep = verify_store(store.root)
+    assert not rep.healthy and rep.damaged_runs == [victim.run_id]
+    (p,) = rep.problems
+    assert p.file == f"runs/{victim.run_id}/{SNAP}" and "no checksum recorded" in p.what
+    assert ("unreadable" in p.what) == truncated
+    rc, out, _ = _cli(capsys, "store", "verify", "--repair", "--store", str(store.root))
+    assert rc == 0 and "re-queued 1 damaged run" in out and store.status(victim.run_id) is None
+    _intact(store, held, except_ids={victim.run_id})
+
+
+def test_a_config_that_does_not_hash_to_its_run_id_is_reported(filled):
+    store, cfgs, _ = filled
+    victim, other = cfgs[0], cfgs[1]
+    f = store.run_dir(victim.run_id) / "config.json"
+    f.write_bytes((store.run_dir(other.run_id) / "config.json").read_bytes())  # another run's config ...
+    sha = hashlib.sha256(f.read_bytes()).hexdigest()
+    with sqlite3.connect(store.root / "index.sqlite") as db:  # ... with its checksum row rewritten to match
+        db.execute("UPDATE files SET sha256=?, size=? WHERE run_id=? AND name='config.json'",
+                   (sha, f.stat().st_size, victim.run_id))
+    rep = verify_store(store.root)
+    assert rep.damaged_runs == [victim.run_id]
+    (p,) = rep.problems
+    assert p.file == f"runs/{victim.run_id}/config.json" and "does not hash to the run id" in p.what
+
+
+def _record_for(cfg, **over):
+    from softprior.calibration.record import calibration_key, make_record
+    from softprior.calibration.space import load_space
+    rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, [calibration_key(cfg)], {}, True)
+    return {**rec, **over}
+
+
+def test_every_calibration_record_is_verified(filled, capsys):
+    import json
+    store, cfgs, held = filled
+    forged = store.root / "calibration" / "assoc_recall-forged.json"
+    forged.parent.mkdir()
+    forged.write_text(json.dumps(_record_for(cfgs[0], measured={"made": "up"})))  # its hash is not its content's
+    rep = verify_store(store.root)
+    assert not rep.healthy and rep.damaged_runs == [] and rep.refused_records == ["calibration/assoc_recall-forged.json"]
+    assert rep.records == 7 and "forged or edited" in rep.problems[0].what  # six shipped records and this one
+    rc, out, _ = _cli(capsys, "store", "verify", "--store", str(store.root))
+    assert rc == 1 and "DAMAGED record: calibration/assoc_recall-forged.json: calibration record refused" in out
+    rc, out, _ = _cli(capsys, "store", "verify", "--repair", "--store", str(store.root))
+    assert rc == 0 and "moved 1 refused calibration record" in out and "is healthy" in out
+    assert not forged.exists() and len(list((store.root / "damaged" / "calibration").iterdir())) == 1
+    _intact(store, held)
+
+
+def test_a_record_added_after_its_rows_and_a_run_under_an_unknown_record_are_reported(filled):
+    import json
+    store, cfgs, held = filled
+    row = tiny_config(path="fade10", steps=6, eval_every=3, task_options={"n_pairs": 4})  # a prediction row
+    execute([row], store, progress=False, require_calibration=False)  # exploratory: under no record
+    late = _record_for(row, registered_at="2020-01-01T00:00:00Z")  # back-dated, and hashed to match
+    body = json.dumps({k: v for k, v in late.items() if k != "hash"}, sort_keys=True, separators=(",", ":"))
+    late["hash"] = hashlib.sha256(body.encode()).hexdigest()[:16]  # (hash scheme v2: all but the hash)
+    f = store.root / "calibration" / f"assoc_recall-{late['hash']}.json"
+    f.parent.mkdir()
+    f.write_text(json.dumps(late))
+    rep = verify_store(store.root)
+    (p,) = rep.problems
+    assert p.run_id is None and p.file == f"calibration/{f.name}" and row.run_id in p.what and "after the fact" in p.what
+    f.unlink()
+    # a finished run whose index row names a record no one holds
+    with sqlite3.connect(store.root / "index.sqlite") as db:
+        db.execute("UPDATE runs SET record=? WHERE run_id=?", ("f" * 16, cfgs[1].run_id))
+    rep = verify_store(store.root)
+    assert rep.damaged_runs == [cfgs[1].run_id] and "neither the store nor the package holds" in rep.problems[0].what

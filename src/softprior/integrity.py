@@ -10,7 +10,17 @@ index's ``files`` table, in the same transaction that marks the run done. ``veri
 - a damaged run file: missing (a half-written or partly deleted run directory), truncated, or with
   other contents than were written (SHA-256 mismatch): reported with the run id and the file;
 - finished runs of stores written before checksums existed: checked for readability only (every
-  file present and parseable), and listed as such.
+  file present and parseable), and listed as such;
+- a snapshot on disk without a checksum row (the row lost, or the file written after the run was
+  committed): reported with the run id and the file, readable or not (it cannot be verified, and
+  ``load_snapshots`` would read it);
+- a finished run whose stored config (its index row, or config.json) does not hash to its run id once
+  this code validates it: the run id would name other numbers than the ones stored;
+- calibration records (``calibration/record.py``): every record of the store (``STORE/calibration``)
+  and of the package is re-hashed, a forged or edited one reported with its file; by the store's
+  clock (its index's ``record_sightings`` and ``runs.record``), a store record first seen after a
+  prediction row it covers had started (added after the fact), and a finished run that ran under a
+  record the store does not hold, first saw only after the run started, or whose keys do not cover it.
 
 Run directories without a finished run in the index (a run in progress, a failed run, or one killed
 before it was committed) are listed as unfinished, not as damage: a sweep trains them anyway.
@@ -21,7 +31,10 @@ next ``softprior reproduce`` / ``train`` trains them again) and their directorie
 ``index.sqlite.damaged.TIMESTAMP`` and rebuilt from the run directories: every run whose files are
 intact (against the checksums that could still be read from the old index, else for readability) is
 indexed as done again, with its checksums; failed-run rows and recorded engine errors of the old index
-are not carried over (they are kept in the moved file). Repair while no sweep writes to the store.
+are not carried over (they are kept in the moved file). The record sightings that can still be read
+are carried over with their times, and the valid records present are seen at the rebuild, before the
+runs are indexed again (a rebuilt index dates its runs from the rebuild). Refused records of the store
+are moved to ``STORE/damaged/calibration/NAME.TIMESTAMP``. Repair while no sweep writes to the store.
 """
 
 from __future__ import annotations
@@ -50,7 +63,7 @@ class Problem:
     what: str
 
     def line(self) -> str:
-        who = f"run {self.run_id}" if self.run_id else "index"
+        who = f"run {self.run_id}" if self.run_id else ("index" if self.file.startswith("index.sqlite") else "record")
         return f"DAMAGED {who}: {self.file}: {self.what}"
 
 
@@ -64,12 +77,19 @@ class VerifyReport:
     unverified: list[str] = field(default_factory=list)  # finished runs with no recorded checksums
     unfinished: list[str] = field(default_factory=list)  # run directories without a finished run
     requeued: list[str] = field(default_factory=list)  # damaged runs whose records --repair deleted
+    records: int = 0  # calibration records re-hashed (the store's and the package's)
+    records_moved: list[str] = field(default_factory=list)  # refused store records --repair moved aside
     rebuilt: int | None = None  # runs indexed again after an index rebuild
     read_only: bool = False  # the store's directory cannot be written (verified all the same; no --repair)
 
     @property
     def damaged_runs(self) -> list[str]:
         return sorted({p.run_id for p in self.problems if p.run_id})
+
+    @property
+    def refused_records(self) -> list[str]:
+        """The record files refused (forged, edited, or added after the fact)."""
+        return sorted({p.file for p in self.problems if p.run_id is None and not p.file.startswith("index.sqlite")})
 
     @property
     def healthy(self) -> bool:
@@ -91,9 +111,14 @@ class VerifyReport:
                 out.append(f"{where}: the index is damaged" + (f", and {len(bad)} run(s): {', '.join(bad)}" if bad else "")
                            + ("" if repaired else fix + "rebuilds it from the run directories, keeping every intact "
                               "run and re-queueing damaged ones"))
-            else:
+            elif bad or not self.refused_records:
                 out.append(f"{where}: {len(bad)} damaged run(s) ({', '.join(bad)}); the other {self.runs - len(bad)} "
                            "finished runs are intact" + ("" if repaired else fix + "re-queues only the damaged runs"))
+        if self.refused_records:
+            out.append(f"{where}: {len(self.refused_records)} calibration record(s) refused "
+                       f"({', '.join(self.refused_records)})" + ("" if self.records_moved or self.rebuilt is not None
+                                                                else "; `softprior store verify --repair` moves the "
+                                                                "store's aside to damaged/calibration/"))
         if self.unverified:
             out.append(f"note: {len(self.unverified)} finished run(s) have no recorded checksums (written before "
                        "checksums were recorded): checked for readability only")
@@ -106,6 +131,9 @@ class VerifyReport:
         if self.requeued:
             out.append(f"repaired: re-queued {len(self.requeued)} damaged run(s) ({', '.join(self.requeued)}): "
                        "records deleted, files moved to damaged/; the next reproduce or train retrains them")
+        if self.records_moved:
+            out.append(f"repaired: moved {len(self.records_moved)} refused calibration record(s) to "
+                       f"damaged/calibration/ ({', '.join(self.records_moved)})")
         return out
 
 
@@ -127,7 +155,7 @@ def _read_index(path: Path):
         except sqlite3.DatabaseError as e:
             return done, sums, ids, str(e)
         try:
-            for r in db.execute("SELECT run_id, status, config, summary FROM runs"):
+            for r in db.execute("SELECT * FROM runs"):  # (with created and record: the store's clock)
                 ids.add(r["run_id"])
                 if r["status"] == "done":
                     done[r["run_id"]] = dict(r)
@@ -140,6 +168,21 @@ def _read_index(path: Path):
     return done, sums, ids, error
 
 
+def _read_clock(path: Path) -> dict[str, float]:
+    """The index's record sightings (hash -> first seen); empty where none can be read (a store from
+    before the clock, a damaged index)."""
+    try:
+        db = connect_read_only(path)
+    except sqlite3.Error:
+        return {}
+    try:
+        return {h: t for h, t in db.execute("SELECT hash, first_seen FROM record_sightings")}
+    except sqlite3.DatabaseError:
+        return {}
+    finally:
+        db.close()
+
+
 def _row_problem(rid: str, row: dict) -> str | None:
     """Why a finished run's index row is unusable, or None."""
     try:
@@ -148,6 +191,13 @@ def _row_problem(rid: str, row: dict) -> str | None:
             return "index row damaged: its config does not hash to the run id"
     except (TypeError, ValueError):
         return "index row damaged: config is not JSON"
+    try:
+        again = RunConfig.model_validate(cfg).run_id
+    except ValueError as e:
+        return f"its config is not a valid run config for this code ({' '.join(str(e).split())[:120]})"
+    if again != rid:
+        return (f"its config, validated by this code, hashes to {again}, not to its run id: the run id would name "
+                "other numbers than the ones stored")
     try:
         if not isinstance(json.loads(row["summary"]), dict):
             raise ValueError
@@ -205,6 +255,15 @@ def _check_files(root: Path, rid: str, recorded: dict | None, report: VerifyRepo
                 out.append(Problem(rid, f"{rel}/{name}", f"size changed ({got_size:,} bytes, {size:,} written)"))
             elif got_sha != sha:
                 out.append(Problem(rid, f"{rel}/{name}", "contents changed since written (SHA-256 mismatch)"))
+        for name in _run_file_names(d):  # a snapshot nothing vouches for
+            if name not in recorded and name.startswith("snapshots/"):
+                why = _readable(d / name)
+                out.append(Problem(rid, f"{rel}/{name}", "no checksum recorded for it (the row lost, or the file "
+                                   "written after the run was committed)" + (f"; {why}" if why else "")))
+        if "config.json" in recorded and (d / "config.json").is_file() and not any(
+                p.file == f"{rel}/config.json" for p in out):  # the stored config re-hashed to the run id
+            if (why := _readable(d / "config.json")) is not None:
+                out.append(Problem(rid, f"{rel}/config.json", why))
         return out
     names = _run_file_names(d)
     for name in names:
@@ -243,6 +302,9 @@ def verify_store(root: str | os.PathLike, repair: bool = False) -> VerifyReport:
         if not recorded:
             report.unverified.append(rid)
         report.problems += _check_files(root, rid, recorded, report)
+    clock = _read_clock(index)
+    if not report.index_damaged:
+        report.problems += _record_problems(root, done, clock, report)
     if not report.index_damaged:  # (with a damaged index every directory would look unfinished)
         run_dirs = sorted(p.name for p in (root / "runs").iterdir() if p.is_dir()) if (root / "runs").is_dir() else []
         report.unfinished = [r for r in run_dirs if r not in done]
@@ -250,13 +312,15 @@ def verify_store(root: str | os.PathLike, repair: bool = False) -> VerifyReport:
         return report
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if report.index_damaged:
-        report.requeued, report.rebuilt = _rebuild_index(root, sums, stamp)
+        report.requeued, report.rebuilt = _rebuild_index(root, sums, stamp, sightings=clock)
+        report.records_moved = _move_records_aside(root, report, stamp)
         return report
     bad = report.damaged_runs
     RunStore(root, read_only=False).forget(bad)
     for rid in bad:
         _move_aside(root, rid, stamp)
     report.requeued = bad
+    report.records_moved = _move_records_aside(root, report, stamp)
     return report
 
 
@@ -267,13 +331,15 @@ def _move_aside(root: Path, rid: str, stamp: str) -> None:
         shutil.move(str(d), str(root / "damaged" / f"{rid}.{stamp}"))
 
 
-def _rebuild_index(root: Path, salvaged: dict, stamp: str) -> tuple[list[str], int]:
-    """Move the damaged index aside, then index every intact finished run directory again."""
+def _rebuild_index(root: Path, salvaged: dict, stamp: str, sightings: dict | None = None) -> tuple[list[str], int]:
+    """Move the damaged index aside, then index every intact finished run directory again (after the
+    record sightings: those salvaged, with their times, and the valid records present, now)."""
     for suffix in ("", "-wal", "-shm"):
         f = root / f"index.sqlite{suffix}"
         if f.exists():
             os.replace(f, root / f"index.sqlite.damaged.{stamp}{suffix}")
     store = RunStore(root, read_only=False)  # a fresh, empty index
+    _restore_clock(store.index, root, sightings or {})
     requeued, indexed = [], 0
     scratch = VerifyReport(root)
     for d in sorted(p for p in (root / "runs").iterdir() if p.is_dir()):
@@ -283,7 +349,7 @@ def _rebuild_index(root: Path, salvaged: dict, stamp: str) -> tuple[list[str], i
         # against the checksums still readable from the damaged index, else for readability (checksum
         # rows lost with the index are the index's damage, not the run's: the files are read instead)
         recorded = salvaged.get(rid)
-        if recorded and not all(n in recorded for n in REQUIRED_FILES):
+        if recorded and not all(n in recorded for n in _run_file_names(d)):
             recorded = None
         if _check_files(root, rid, recorded, scratch):
             requeued.append(rid)
@@ -296,3 +362,79 @@ def _rebuild_index(root: Path, salvaged: dict, stamp: str) -> tuple[list[str], i
         indexed += 1
     return requeued, indexed
 
+
+# ------------------------------------------------------------------------------------ calibration records
+def _record_problems(root: Path, done: dict, clock: dict[str, float], report: VerifyReport) -> list[Problem]:
+    """Every record re-hashed (the store's and the package's), and the store's clock: a store record
+    first seen after a prediction row it covers had started; a finished run that ran under a record the
+    store does not hold (valid), saw only after the run started, or whose keys do not cover it."""
+    from .calibration import record as R
+    out, valid = [], {}
+    files = [(f, str(f), False) for f in R.shipped_files()]
+    files += [(p, str(p.relative_to(root)), True) for p in R.record_files(root)]
+    for f, rel, in_store in files:
+        report.records += 1
+        try:
+            rec = R.read_record(f)
+        except R.RecordRefused as e:
+            out.append(Problem(None, rel, f"calibration record refused: {e.why}"))
+            continue
+        valid.setdefault(rec["hash"], rec)
+        if in_store:
+            early = R.rows_started_before(done.values(), rec, clock.get(rec["hash"]))
+            if early:
+                out.append(Problem(None, rel, f"calibration record refused: {R.late_record_reason(early[0])}"))
+    for rid, row in sorted(done.items()):
+        h = row.get("record")
+        if not h:  # '': trained under no record (exploratory, or not a prediction row); NULL: before the clock
+            continue
+        rec = valid.get(h)
+        if rec is None:
+            out.append(Problem(rid, "index.sqlite", f"ran under calibration record {h}, which neither the store nor "
+                                                    "the package holds (as a record whose hash verifies)"))
+            continue
+        try:
+            named = json.loads(row["summary"]).get("calibration")
+            cfg = RunConfig.model_validate(json.loads(row["config"]))
+        except (TypeError, ValueError, AttributeError):
+            continue  # an unreadable row: _row_problem reports it
+        if named != h:
+            out.append(Problem(rid, "index.sqlite", f"its summary names calibration record {named}, its index row {h}"))
+        if R.needs_record(cfg):
+            seen = clock.get(h)
+            if R.calibration_key(cfg) not in R.record_keys(rec):
+                out.append(Problem(rid, "index.sqlite", f"ran under calibration record {h}, which does not cover "
+                                                        "its configuration"))
+            elif seen is None or seen > (row.get("created") or 0.0):
+                out.append(Problem(rid, "index.sqlite", f"ran under calibration record {h}, which the store first saw "
+                                                        "after the run started"
+                                   + (" (never)" if seen is None else "")))
+    return out
+
+
+def _move_records_aside(root: Path, report: VerifyReport, stamp: str) -> list[str]:
+    """Move the refused records of the store to ``STORE/damaged/calibration/NAME.TIMESTAMP``."""
+    moved = []
+    for rel in report.refused_records:
+        f = root / rel
+        if rel.startswith("calibration/") and f.is_file():
+            (root / "damaged" / "calibration").mkdir(parents=True, exist_ok=True)
+            shutil.move(str(f), str(root / "damaged" / "calibration" / f"{f.name}.{stamp}"))
+            moved.append(rel)
+    return moved
+
+
+def _restore_clock(index, root: Path, sightings: dict[str, float]) -> None:
+    """A rebuilt index's record sightings: those read from the damaged one, with their times, then every
+    valid record present (seen now, before the runs are indexed again)."""
+    from .calibration import record as R
+    for h, t in sorted(sightings.items(), key=lambda x: x[1]):
+        index.see_records({h: "carried over from the damaged index"}, when=t)
+    now = {}
+    for f in [*R.shipped_files(), *R.record_files(root)]:
+        try:
+            now[R.read_record(f)["hash"]] = str(f)
+        except R.RecordRefused:
+            continue  # reported by the verification after the repair
+    if now:
+        index.see_records(now)

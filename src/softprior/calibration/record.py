@@ -51,7 +51,7 @@ from typing import Iterable
 __all__ = ["covering_records", "calibration_key", "make_record", "save_record", "store_records", "shipped_records",
            "find_record", "check_calibrated", "CalibrationMissing", "RecordRefused", "DIFFICULTY_PATHS",
            "default_options", "record_hash", "verify_record", "read_record", "usable_records", "rows_started_before",
-           "git_clock_problems",
+           "record_files", "shipped_files", "late_record_reason", "needs_record", "record_keys", "git_clock_problems",
            "HASH_SCHEME"]
 
 DIFFICULTY_PATHS = {"unforced", "forced_zero"}
@@ -184,25 +184,34 @@ def save_record(root: str | Path, record: dict) -> Path:
     return p
 
 
-def _store_files(root: str | Path) -> list[tuple[str, dict]]:
-    """(file, record) of every record in ``STORE/calibration`` (JSON objects with a hash or keys; the
-    search's other files there are not records), verified."""
+def record_files(root: str | Path) -> list[Path]:
+    """The files of ``STORE/calibration`` that hold records: JSON objects with a hash or keys, and files
+    that cannot be read (the search's other files there are not records)."""
     d = Path(root) / "calibration"
     out = []
     for p in sorted(d.glob("*.json")) if d.is_dir() else []:
         try:
-            text = p.read_text()
-            obj = json.loads(text)
+            obj = json.loads(p.read_text())
         except (OSError, ValueError):
-            obj, text = {"keys": None}, None  # unreadable: refused by read_record below
+            obj = {"keys": None}  # unreadable: refused by read_record
         if isinstance(obj, dict) and ("hash" in obj or "keys" in obj):
-            out.append((str(p), read_record(p, text)))
+            out.append(p)
     return out
+
+
+def _store_files(root: str | Path) -> list[tuple[str, dict]]:
+    """(file, record) of every record in ``STORE/calibration`` (``record_files``), verified."""
+    return [(str(p), read_record(p)) for p in record_files(root)]
 
 
 def store_records(root: str | Path) -> list[dict]:
     """The records of the store at ``root``, each verified (``RecordRefused`` naming a file that is not)."""
     return [r for _, r in _store_files(root)]
+
+
+def shipped_files():
+    """The package's record files (``registered/*.json``)."""
+    return _shipped_files()
 
 
 def _shipped_files():
@@ -238,12 +247,12 @@ def default_options(task: str) -> tuple[dict, dict]:
 def find_record(cfg, records: Iterable[dict]) -> dict | None:
     key = calibration_key(cfg)
     for r in records:
-        if key in _record_keys(r):
+        if key in record_keys(r):
             return r
     return None
 
 
-def _record_keys(rec: dict) -> set[str]:
+def record_keys(rec: dict) -> set[str]:
     """The calibration keys a record covers, in ``calibration_key``'s form."""
     return {_key_form(k) for k in rec.get("keys", ())}
 
@@ -273,7 +282,7 @@ def _row_config(row: dict):
 def rows_started_before(rows: Iterable[dict], rec: dict, seen: float | None) -> list[str]:
     """The run ids of the prediction rows among ``rows`` (index rows of runs committed under the store's
     clock: ``record`` not NULL) that ``rec`` covers and that started before ``seen`` (None: ever)."""
-    keys, out = _record_keys(rec), []
+    keys, out = record_keys(rec), []
     for r in rows:
         if r.get("record") is None or r.get("path") in DIFFICULTY_PATHS or r.get("task") != rec.get("task"):
             continue

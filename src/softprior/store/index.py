@@ -302,10 +302,11 @@ class RunIndex:
         with self._connect() as db:
             return {r["hash"]: r["first_seen"] for r in db.execute("SELECT hash, first_seen FROM record_sightings")}
 
-    def see_records(self, sources: dict[str, str]) -> dict[str, float]:
-        """Note now as the first sighting of each record hash of ``sources`` (hash -> file) not seen
-        before (append-only: an earlier sighting stays); returns every sighting."""
-        now = time.time()
+    def see_records(self, sources: dict[str, str], when: float | None = None) -> dict[str, float]:
+        """Note now (or ``when``: a repair carries sightings over) as the first sighting of each record
+        hash of ``sources`` (hash -> file) not seen before (append-only: an earlier sighting stays);
+        returns every sighting."""
+        now = time.time() if when is None else when
         with self._connect(write=True) as db:
             db.executemany("INSERT OR IGNORE INTO record_sightings(hash, first_seen, source) VALUES(?, ?, ?)",
                            [(h, now, src) for h, src in sources.items()])
