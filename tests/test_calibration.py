@@ -474,3 +474,20 @@ def test_git_clock_refuses_a_record_added_or_edited_after_its_tables(tmp_path):
     (line,) = git_clock_problems(repo)
     assert line.startswith(table + ":") and rec["hash"] in line
     assert git_clock_problems(tmp_path) is None  # not a repository
+
+
+def test_a_report_verifies_the_records_its_runs_name(tmp_path):
+    from softprior.calibration.record import shipped_records, verify_named
+    store = RunStore(tmp_path / "s")
+    h = shipped_records()["assoc_recall"]["hash"]
+    assert set(verify_named(store.root, [h, None, ""])) == {h}
+    with pytest.raises(CalibrationMissing, match="f" * 16):
+        verify_named(store.root, ["f" * 16])  # a hash no record holds
+    cfg = _fade_cfg()
+    rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, [calibration_key(cfg)], {}, True)
+    p = save_record(store.root, rec)
+    assert verify_named(store.root, [rec["hash"]]) == {rec["hash"]: rec}
+    _write(p, {**rec, "passes": False})  # edited after it was written
+    with pytest.raises(CalibrationMissing) as e:
+        verify_named(store.root, [h])
+    _one_line_refusal(e.value, p)

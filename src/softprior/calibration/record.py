@@ -20,8 +20,9 @@ Records prove themselves (issue 28):
   every record written before v2, the shipped ones included) hashed everything but the hash and the
   time. Each record verifies under its own scheme, so old records and the runs made under them stay
   valid (the hash is no part of a run id). Every read of a record (``read_record``: training a
-  prediction row, the summary's covering record, the package defaults, ``store verify``) recomputes
-  it; a mismatch (a forged or edited record) raises ``RecordRefused``, one line naming the file.
+  prediction row, the summary's covering record, the package defaults, ``store verify``, and
+  ``verify_named`` for a report's runs) recomputes it; a mismatch (a forged or edited record) raises
+  ``RecordRefused``, one line naming the file.
 - **The store's clock.** A record cannot vouch for its own time, so the store keeps one: its index
   notes when it first saw each record's hash (table ``record_sightings``, append-only), and every
   finished run the hash of the record it ran under (column ``runs.record``; '' for none). A run is
@@ -51,7 +52,8 @@ from typing import Iterable
 __all__ = ["covering_records", "calibration_key", "make_record", "save_record", "store_records", "shipped_records",
            "find_record", "check_calibrated", "CalibrationMissing", "RecordRefused", "DIFFICULTY_PATHS",
            "default_options", "record_hash", "verify_record", "read_record", "usable_records", "rows_started_before",
-           "record_files", "shipped_files", "late_record_reason", "needs_record", "record_keys", "git_clock_problems",
+           "record_files", "shipped_files", "late_record_reason", "needs_record", "record_keys", "verify_named",
+           "git_clock_problems",
            "HASH_SCHEME"]
 
 DIFFICULTY_PATHS = {"unforced", "forced_zero"}
@@ -113,7 +115,8 @@ def record_hash(rec: dict) -> str:
     scheme = rec.get("hash_scheme", 1)
     if scheme not in _UNHASHED:
         raise ValueError(f"unknown hash scheme {scheme!r}; known: {', '.join(map(str, _UNHASHED))}")
-    return hashlib.sha256(_canon({k: v for k, v in rec.items() if k not in _UNHASHED[scheme]}).encode()).hexdigest()[:16]
+    body = {k: v for k, v in rec.items() if k not in _UNHASHED[scheme]}
+    return hashlib.sha256(_canon(body).encode()).hexdigest()[:16]
 
 
 def verify_record(rec, where: str) -> dict:
@@ -342,6 +345,24 @@ def covering_records(cfgs, root: str | Path) -> dict[str, str | None]:
         ok = [r for r in records if t is None or seen.get(r["hash"], math.inf) <= t]
         rec = find_record(c, ok)
         out[c.run_id] = rec["hash"] if rec else None
+    return out
+
+
+def verify_named(root: str | Path, hashes: Iterable[str | None]) -> dict[str, dict]:
+    """For a report: the records its runs name (hash -> record; None and '' skipped), every record of
+    the package and of the store at ``root`` verified on the way (``RecordRefused`` naming a file that
+    does not verify); ``CalibrationMissing`` for a named hash that no valid record holds. Reads only."""
+    held = {}
+    for r in [*all_shipped_records(), *store_records(root)]:
+        held.setdefault(r["hash"], r)
+    out = {}
+    for h in hashes:
+        if not h:
+            continue
+        if h not in held:
+            raise CalibrationMissing(f"calibration record {h}, named by a run, is held by neither the package nor "
+                                     f"the store {str(root)!r}: its runs cannot count as calibrated")
+        out[h] = held[h]
     return out
 
 
