@@ -223,6 +223,24 @@ def test_ray_executor_gives_the_same_table_as_local(tmp_path, ray_cluster):
     assert tables[0].equals(tables[1])
 
 
+def test_a_ray_sweep_reports_steps_inside_its_jobs(tmp_path, ray_cluster, monkeypatch):
+    """Progress on Ray: the jobs put their steps into a Ray queue the driver polls (issue 30)."""
+    import softprior.executors as ex
+    monkeypatch.setattr(ex, "PROGRESS_SECONDS", 0.01)
+    states = []
+    redraw = ex._Progress._redraw
+
+    def recording(self):
+        redraw(self)
+        states.append((self.bar.n, self.bar.total, self.finished))
+    monkeypatch.setattr(ex._Progress, "_redraw", recording)
+    cfgs = [tiny_config(seed=s, steps=60) for s in range(2)]
+    report = execute(cfgs, RunStore(tmp_path / "s"), executor="ray", workers=2, progress=True, require_calibration=False)
+    assert report.trained == 2
+    assert any(0 < n < total and finished == 0 for n, total, finished in states)
+    assert states[-1] == (120, 120, 2)
+
+
 def test_jobs_are_balanced_groups_longest_first():
     from softprior.config import make_run_config
     from softprior.executors import _jobs

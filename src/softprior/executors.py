@@ -15,6 +15,15 @@ remote Ray cluster, which may not see the store's files), and the next sweep kee
 group together and resumes it bit-identically. Workers write only these scratch files; the driver
 alone writes results and the index.
 
+Progress (``_Progress``): one bar in run-steps (a group of K runs of S steps is K x S), with the runs
+finished and an ETA from the step rate measured over the last ``RATE_SECONDS`` (weighted by each
+job's cost per step, ``_job_cost``, so a sweep that starts with its large-model groups does not
+promise too much). A job reports its step every ``PROGRESS_SECONDS`` while it trains (``_Reporter``,
+through the training loop's checkpoint callback, which writes a checkpoint only when one is due as
+before): a serial sweep in-process, a process pool through a ``multiprocessing`` queue, Ray through a
+``ray.util.queue.Queue``; the driver polls them every ``PROGRESS_SECONDS`` while it waits, so the
+timer ticks. Reporting reads the step count only: no run's numbers change.
+
 A job is one run or a group of compatible runs trained together (``engine.train_group``). A failing
 run (exception or NaN loss) is recorded with its error and the sweep goes on. When the group engine
 itself raises, the driver first records the exception with its traceback in the store
@@ -25,8 +34,11 @@ as an error, not as mere slowness.
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import os
+import queue
 import sys
 import time
 import traceback
@@ -43,6 +55,10 @@ __all__ = ["execute", "sweep_plan", "SweepReport", "JobResult", "work", "choose_
 
 # a sweep job checkpoints after every this many seconds of training ($SOFTPRIOR_CHECKPOINT_SECONDS)
 SWEEP_CHECKPOINT_SECONDS = 120.0
+# while it trains, a job of a sweep that shows progress reports its step this often, and the driver
+# redraws the bar (its timer) this often while it waits; the ETA is from the rate over the last RATE_SECONDS
+PROGRESS_SECONDS = 1.0
+RATE_SECONDS = 30.0
 
 # ms per run-step of a base-model group of K runs at 1 thread (each sweep worker's setting), measured by
 # ``benchmarks/scaling.py`` on the development machine (docs/PERFORMANCE.md): per-op overhead is paid
@@ -105,12 +121,37 @@ def _set_threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
 
 
+class _Reporter:
+    """The training loop's ``on_checkpoint`` for a job whose sweep shows progress. The loop calls it at
+    the first step after every ``PROGRESS_SECONDS`` (and every ``checkpoint_every`` steps); it reports
+    the step (``report(step)``) and passes the checkpoint on to ``save`` only when one is due as
+    without progress: at a multiple of ``every_steps``, or ``save_seconds`` after the last one it wrote."""
+
+    def __init__(self, report: Callable, save: Callable | None, every_steps: int, save_seconds: float | None):
+        self.report, self.save, self.every_steps, self.save_seconds = report, save, every_steps, save_seconds
+        self.last = time.perf_counter()
+
+    def __call__(self, ck: dict) -> None:
+        done = ck["meta"]["step"]
+        self.report(done)
+        if self.save is None:
+            return
+        now = time.perf_counter()
+        if (self.every_steps and done % self.every_steps == 0) or \
+                (self.save_seconds is not None and now - self.last >= self.save_seconds):
+            self.last = now
+            self.save(ck)
+
+
 def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | None = None,
-         checkpoints: str | None = None, checkpoint_seconds: float | None = None, progress: bool = False) -> JobResult:
+         checkpoints: str | None = None, checkpoint_seconds: float | None = None, progress: bool = False,
+         report: Callable | None = None, report_seconds: float | None = None) -> JobResult:
     """Train ``cfgs`` (one run, or a group); pure but for checkpoint files: with ``checkpoints`` (a
     store's root) the job resumes from its checkpoint there, if any, and writes one every
     ``checkpoint_seconds`` of training. A group whose engine raises returns the exception and its
-    traceback (``JobResult.engine_error``), not results: the driver records it, then retrains."""
+    traceback (``JobResult.engine_error``), not results: the driver records it, then retrains.
+    ``report``: called as ``report(step, True)`` with the step it starts (resumes) at, then
+    ``report(step)`` every ``report_seconds`` (default ``PROGRESS_SECONDS``) while it trains (``_Reporter``)."""
     if threads:
         _set_threads(threads)
     from . import engine
@@ -125,6 +166,13 @@ def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | 
             ck = {"resume": files.load_group_checkpoint(rids),
                   "on_checkpoint": lambda c: files.save_group_checkpoint(rids, c)}
         ck["checkpoint_seconds"] = checkpoint_seconds
+    if report is not None and not (len(cfgs) > 1 and cfgs[0].snapshot_every):  # (a group keeps no snapshots)
+        report(ck["resume"]["meta"]["step"] if ck.get("resume") else 0, True)
+        save = ck.get("on_checkpoint")
+        save_seconds = checkpoint_seconds if save is not None else None
+        every = PROGRESS_SECONDS if report_seconds is None else report_seconds
+        ck.update(on_checkpoint=_Reporter(report, save, cfgs[0].checkpoint_every, save_seconds),
+                  checkpoint_seconds=every if save_seconds is None else min(every, save_seconds))
     if len(cfgs) == 1:
         try:
             return JobResult([(train(cfgs[0], init_state=(init_states or [None])[0], progress=progress, **ck), None)])
@@ -137,15 +185,27 @@ def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | 
 
 
 # ------------------------------------------------------------------------------------ backends
+# Every backend: submit(cfgs, init_states, job) starts a job (``job``: its key for progress reports,
+# None when the sweep shows none); next_done(poll) waits for one to finish, calling ``poll()`` every
+# PROGRESS_SECONDS meanwhile; drain() returns the progress reports (job, step, started) that arrived.
 class _Serial:
-    def __init__(self, checkpoints: str | None, checkpoint_seconds: float | None, progress: bool):
-        self.ck, self.progress, self.pending = (checkpoints, checkpoint_seconds), progress, []
+    def __init__(self, checkpoints: str | None, checkpoint_seconds: float | None, progress: bool,
+                 sweep: "_Progress | None" = None):
+        self.ck, self.progress, self.pending, self.sweep = (checkpoints, checkpoint_seconds), progress, [], sweep
 
-    def submit(self, cfgs, init_states):
-        self.pending.append((cfgs, init_states, work(cfgs, init_states, None, *self.ck, progress=self.progress)))
+    def submit(self, cfgs, init_states, job=None):
+        report = None
+        if job is not None and self.sweep is not None:  # in this process: straight to the bar
+            def report(step, started=False):
+                self.sweep.tick([(job, step, started)])
+        self.pending.append((cfgs, init_states, work(cfgs, init_states, None, *self.ck, progress=self.progress,
+                                                     report=report, report_seconds=PROGRESS_SECONDS)))
 
-    def next_done(self):
+    def next_done(self, poll=None):
         return self.pending.pop(0)
+
+    def drain(self):
+        return []
 
     def busy(self):
         return bool(self.pending)
@@ -154,21 +214,46 @@ class _Serial:
         pass
 
 
+_QUEUE = None  # in a pool worker: the queue to the driver's progress bar (``_Pool``)
+
+
+def _pool_worker_init(q) -> None:
+    global _QUEUE
+    _QUEUE = q
+
+
+def _to_queue(job, step: int, started: bool = False) -> None:
+    _QUEUE.put((job, step, started))
+
+
+def _to_ray_queue(q, job, step: int, started: bool = False) -> None:
+    q.put_nowait((job, step, started))
+
+
 class _Pool:
-    def __init__(self, workers: int, checkpoints: str | None, checkpoint_seconds: float | None):
+    def __init__(self, workers: int, checkpoints: str | None, checkpoint_seconds: float | None, progress: bool = False):
         from concurrent.futures import ProcessPoolExecutor
         import multiprocessing as mp
+        ctx = mp.get_context("spawn")
         self.threads = max(1, (os.cpu_count() or 1) // workers)
-        self.ex = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+        self.queue = ctx.Queue() if progress else None  # handed to each worker as it starts
+        self.ex = ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
+                                      **({"initializer": _pool_worker_init, "initargs": (self.queue,)} if progress else {}))
         self.futs = {}
         self.ck = (checkpoints, checkpoint_seconds)
 
-    def submit(self, cfgs, init_states):
-        self.futs[self.ex.submit(work, cfgs, init_states, self.threads, *self.ck)] = (cfgs, init_states)
+    def submit(self, cfgs, init_states, job=None):
+        report = functools.partial(_to_queue, job) if job is not None and self.queue is not None else None
+        self.futs[self.ex.submit(work, cfgs, init_states, self.threads, *self.ck, report=report,
+                                 report_seconds=PROGRESS_SECONDS)] = (cfgs, init_states)
 
-    def next_done(self):
+    def next_done(self, poll=None):
         from concurrent.futures import FIRST_COMPLETED, wait
-        done, _ = wait(list(self.futs), return_when=FIRST_COMPLETED)
+        while True:
+            done, _ = wait(list(self.futs), timeout=PROGRESS_SECONDS if poll else None, return_when=FIRST_COMPLETED)
+            if done:
+                break
+            poll()
         f = next(iter(done))
         cfgs, inits = self.futs.pop(f)
         try:
@@ -176,15 +261,27 @@ class _Pool:
         except Exception as e:  # noqa: BLE001 - a worker crash fails its runs, not the sweep
             return cfgs, inits, JobResult([(None, f"worker crashed: {type(e).__name__}: {e}")] * len(cfgs))
 
+    def drain(self):
+        out = []
+        while self.queue is not None:
+            try:
+                out.append(self.queue.get_nowait())
+            except (queue.Empty, OSError, EOFError, ValueError):
+                break
+        return out
+
     def busy(self):
         return bool(self.futs)
 
     def close(self):
         self.ex.shutdown(cancel_futures=True)
+        if self.queue is not None:
+            self.queue.close()
 
 
 class _Ray:
-    def __init__(self, address: str | None, cpus_per_job: int, checkpoints: str | None, checkpoint_seconds: float | None):
+    def __init__(self, address: str | None, cpus_per_job: int, checkpoints: str | None, checkpoint_seconds: float | None,
+                 progress: bool = False):
         try:
             import ray
         except ImportError:
@@ -196,12 +293,22 @@ class _Ray:
         self.cpus = cpus_per_job
         self.refs = {}
         self.ck = (checkpoints, checkpoint_seconds)
+        self.queue = None
+        if progress:  # an actor the jobs put their steps into, wherever they run
+            from ray.util.queue import Queue
+            self.queue = Queue(actor_options={"num_cpus": 0})
 
-    def submit(self, cfgs, init_states):
-        self.refs[self.remote.remote(cfgs, init_states, self.cpus, *self.ck)] = (cfgs, init_states)
+    def submit(self, cfgs, init_states, job=None):
+        report = functools.partial(_to_ray_queue, self.queue, job) if job is not None and self.queue is not None else None
+        self.refs[self.remote.remote(cfgs, init_states, self.cpus, *self.ck, report=report,
+                                     report_seconds=PROGRESS_SECONDS)] = (cfgs, init_states)
 
-    def next_done(self):
-        done, _ = self.ray.wait(list(self.refs), num_returns=1)
+    def next_done(self, poll=None):
+        while True:
+            done, _ = self.ray.wait(list(self.refs), num_returns=1, timeout=PROGRESS_SECONDS if poll else None)
+            if done:
+                break
+            poll()
         ref = done[0]
         cfgs, inits = self.refs.pop(ref)
         try:
@@ -209,11 +316,123 @@ class _Ray:
         except Exception as e:  # noqa: BLE001
             return cfgs, inits, JobResult([(None, f"ray task failed: {type(e).__name__}: {e}")] * len(cfgs))
 
+    def drain(self):
+        if self.queue is None:
+            return []
+        try:
+            n = self.queue.qsize()
+            return self.queue.get_nowait_batch(n) if n else []
+        except Exception:  # noqa: BLE001 - progress is best effort; the results come through ray.wait
+            return []
+
     def busy(self):
         return bool(self.refs)
 
     def close(self):
-        pass
+        if self.queue is not None:
+            try:
+                self.queue.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+# ------------------------------------------------------------------------------------ progress
+@dataclass
+class _RunProgress:
+    steps: int  # the run's step budget
+    to_train: int  # the steps this sweep trains (fewer when it resumes from a checkpoint)
+    cost: float  # relative cost of one of its steps (``_job_cost``), for the ETA
+    done: int = 0  # the steps trained so far in this sweep
+
+
+class _Progress:
+    """The sweep's progress bar: run-steps trained / to train in this sweep (a resumed job's steps
+    before its checkpoint are not counted), runs finished, failures, and the ETA: the work left over
+    the rate measured in the last ``RATE_SECONDS``, both weighted by each run's cost per step
+    (``_job_cost``). ``tick(reports)`` applies the jobs' step reports (job, step, started) and
+    redraws, so the timer moves on every poll."""
+
+    def __init__(self, cfgs: list[RunConfig]):
+        from tqdm.auto import tqdm
+        self.runs: dict[str, _RunProgress] = {}
+        self.jobs: dict[tuple, int] = {}  # a job in flight (its run ids) -> the step it started at
+        self.finished = self.failed = 0
+        self.samples: collections.deque = collections.deque()  # (time, work done), from the first step trained
+        self.bar = tqdm(total=0, desc="sweep", dynamic_ncols=True,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} run-steps [{elapsed}{postfix}]")
+        self.add(cfgs)
+
+    def add(self, cfgs) -> None:
+        """Runs this sweep trains."""
+        for c in cfgs:
+            self.runs.setdefault(c.run_id, _RunProgress(c.total_steps, c.total_steps, _job_cost([c]) / c.total_steps))
+        self.tick()
+
+    def drop(self, cfgs) -> None:
+        """Runs this sweep will not train after all (another process has them, or their parent failed)."""
+        for c in cfgs:
+            self.runs.pop(c.run_id, None)
+        self.tick()
+
+    def start(self, cfgs) -> tuple:
+        """A job is submitted; returns its key for ``work``'s reports."""
+        job = tuple(c.run_id for c in cfgs)
+        self.jobs[job] = 0
+        return job
+
+    def tick(self, reports=()) -> None:
+        for job, step, started in reports:
+            if job not in self.jobs:  # a report that arrived after its job ended
+                continue
+            if started:  # resumed at ``step``: the steps before it were trained by an earlier sweep
+                self.jobs[job] = step
+            for r in (self.runs[rid] for rid in job if rid in self.runs):
+                if started:
+                    r.to_train, r.done = r.steps - step, 0
+                else:
+                    r.done = max(r.done, min(r.to_train, step - self.jobs[job]))
+        self._redraw()
+
+    def ended(self, cfgs, outs) -> None:
+        """A job returned: a run that trained counts in full, a failed one's untrained steps leave the total."""
+        self.jobs.pop(tuple(c.run_id for c in cfgs), None)
+        for c, (res, _) in zip(cfgs, outs):
+            r = self.runs.get(c.run_id)
+            if r is not None:
+                if res is not None:
+                    r.done = r.to_train
+                else:
+                    r.to_train = r.done
+            self.finished += 1
+            self.failed += res is None
+        self._redraw()
+
+    def engine_failed(self, cfgs) -> None:
+        """A group's engine raised: its runs train again, one by one, from step 0."""
+        self.jobs.pop(tuple(c.run_id for c in cfgs), None)
+        for r in (self.runs[c.run_id] for c in cfgs if c.run_id in self.runs):
+            r.to_train, r.done = r.steps, 0
+        self._redraw()
+
+    def _redraw(self) -> None:
+        now, runs = time.perf_counter(), self.runs.values()
+        done, total = sum(r.done for r in runs), sum(r.to_train for r in runs)
+        work_done, work_total = sum(r.done * r.cost for r in runs), sum(r.to_train * r.cost for r in runs)
+        if done or self.samples:
+            self.samples.append((now, work_done))
+            while len(self.samples) > 2 and now - self.samples[1][0] >= RATE_SECONDS:
+                self.samples.popleft()
+        eta = "ETA ?"
+        (t0, w0), (t1, w1) = (self.samples[0], self.samples[-1]) if self.samples else ((0, 0), (0, 0))
+        if t1 > t0 and w1 > w0:
+            eta = f"ETA {self.bar.format_interval((work_total - work_done) * (t1 - t0) / (w1 - w0))}"
+        self.bar.total, self.bar.n = total, done
+        self.bar.set_postfix_str(f"{eta}, runs {self.finished}/{len(self.runs)} done"
+                                 + (f", {self.failed} failed" if self.failed else ""), refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -394,20 +613,21 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     if checkpoint_seconds is None:
         checkpoint_seconds = float(os.environ.get("SOFTPRIOR_CHECKPOINT_SECONDS", SWEEP_CHECKPOINT_SECONDS))
     ck = str(Path(store.root).resolve())  # a Ray worker's working directory is not the driver's
+    # the bar counts every run this sweep may train (parents included); runs it does not train leave it
+    sweep = _Progress([c for ph in phases for c in ph if not store.is_done(c.run_id)]) if progress and sweep_bar else None
     if executor == "ray":  # a remote cluster may not see the store's files: no checkpoints there
         backend = _Ray(address, max(1, (os.cpu_count() or 1) // max(workers, 1)) if address is None else 1,
-                       ck if address is None else None, checkpoint_seconds)
+                       ck if address is None else None, checkpoint_seconds, progress=sweep is not None)
     elif workers > 1:
-        backend = _Pool(workers, ck, checkpoint_seconds)
+        backend = _Pool(workers, ck, checkpoint_seconds, progress=sweep is not None)
     else:
-        backend = _Serial(ck, checkpoint_seconds, progress)
-    bar = None
-    if progress and sweep_bar:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(cfgs) - report.skipped, desc="sweep", unit="run")
+        backend = _Serial(ck, checkpoint_seconds, progress, sweep)
     failed_ids: set[str] = set()
+    collect = functools.partial(_collect, backend, store, report, failed_ids, sweep, on_result)
     try:
         for phase in phases:
+            if sweep is not None:  # finished meanwhile by another process
+                sweep.drop([c for c in phase if store.is_done(c.run_id)])
             todo = [c for c in phase if not store.is_done(c.run_id)]
             waiting: list[RunConfig] = []
             mine: list[RunConfig] = []
@@ -420,6 +640,8 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
                     continue
                 (mine if store.claim(c) else waiting).append(c)
             mine_ids = {c.run_id for c in mine}
+            if sweep is not None:  # another process trains these (or their parent failed)
+                sweep.drop([c for c in todo if c.run_id not in mine_ids])
             kept: list[list[str]] = []
             for c in mine:
                 g = store.files.checkpointed_group(c.run_id)
@@ -429,11 +651,11 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
                 inits = None
                 if any(c.parent() is not None for c in job):
                     inits = [store.load_state(c.parent().run_id) if c.parent() is not None else None for c in job]
-                backend.submit(job, inits)
+                _submit(backend, sweep, job, inits)
                 while isinstance(backend, _Serial) and backend.busy():
-                    _collect(backend, store, report, failed_ids, bar, on_result)
+                    collect()
             while backend.busy():
-                _collect(backend, store, report, failed_ids, bar, on_result)
+                collect()
             # runs claimed by another live process: wait until that process finishes or dies
             while waiting and wait_for_others:
                 still = []
@@ -446,28 +668,46 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
                         failed_ids.add(c.run_id)
                         continue
                     if store.claim(c):  # its owner died: take it over
-                        backend.submit([c], [store.load_state(c.parent().run_id)] if c.parent() else None)
+                        if sweep is not None:
+                            sweep.add([c])
+                        _submit(backend, sweep, [c], [store.load_state(c.parent().run_id)] if c.parent() else None)
                         while backend.busy():
-                            _collect(backend, store, report, failed_ids, bar, on_result)
+                            collect()
                         continue
                     still.append(c)
                 waiting = still
                 if waiting:
-                    time.sleep(poll_seconds)
+                    _sleep(poll_seconds, sweep)
     except KeyboardInterrupt:
         for c in cfgs:
             store.release(c.run_id)
         raise
     finally:
         backend.close()
-        if bar is not None:
-            bar.close()
+        if sweep is not None:
+            sweep.close()
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _collect(backend, store, report, failed_ids, bar, on_result):
-    cfgs, inits, job = backend.next_done()
+def _submit(backend, sweep: _Progress | None, cfgs: list[RunConfig], inits) -> None:
+    backend.submit(cfgs, inits, sweep.start(cfgs) if sweep is not None else None)
+
+
+def _sleep(seconds: float, sweep: _Progress | None) -> None:
+    """``time.sleep(seconds)``, redrawing the bar every PROGRESS_SECONDS (its timer ticks)."""
+    end = time.perf_counter() + seconds
+    while (left := end - time.perf_counter()) > 0:
+        time.sleep(min(left, PROGRESS_SECONDS) if sweep is not None else left)
+        if sweep is not None:
+            sweep.tick()
+
+
+def _collect(backend, store, report, failed_ids, sweep, on_result):
+    poll = (lambda: sweep.tick(backend.drain())) if sweep is not None else None
+    cfgs, inits, job = backend.next_done(poll)
+    if sweep is not None:
+        sweep.tick(backend.drain())
     store.heartbeat()  # the sweep's other claims stay alive while it works (another host's expire in 6 h)
     store.files.drop_checkpoint(cfgs[0].run_id)  # a group's checkpoint (kept in its first run's directory)
     if job.engine_error is not None:
@@ -477,8 +717,10 @@ def _collect(backend, store, report, failed_ids, bar, on_result):
         report.engine_errors.append((rids, job.engine_error))
         print(f"softprior: the group engine failed for {len(rids)} runs ({_headline(job.engine_error)}); "
               "recorded in the store, retraining them one by one", file=sys.stderr)
+        if sweep is not None:
+            sweep.engine_failed(cfgs)
         for i, c in enumerate(cfgs):
-            backend.submit([c], [inits[i]] if inits else None)
+            _submit(backend, sweep, [c], [inits[i]] if inits else None)
         return
     for c, (res, err) in zip(cfgs, job.outs):
         if res is not None:
@@ -492,6 +734,5 @@ def _collect(backend, store, report, failed_ids, bar, on_result):
             failed_ids.add(c.run_id)
             if on_result:
                 on_result(c, None, err)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(failed=len(report.failed))
+    if sweep is not None:
+        sweep.ended(cfgs, job.outs)
