@@ -3,9 +3,11 @@
 Nothing here trains: "normal"/"zero" numbers come from each run's stored summary; other evaluations
 (gate overrides, other lengths) are computed from the stored weights on the run's validation seed.
 Outputs in OUT_DIR: table.md (mean ± std over seeds, the paper's value beside ours where the paper
-gives one), table.csv (mean, std, n per cell), figure.png (grouped bars with std error bars) and
-curves.png (accuracy over training, normal and zero gates, gate value on a second axis, fade
-window shaded).
+gives one), table.csv (mean, std, n per cell), figure.png (grouped bars: mean, SD whiskers and every
+seed as a point, the statistic and n in the legend, the chance line; one seed is a point alone) and
+curves.png (accuracy over training, normal and zero gates, the path's gate and the gate of the
+"normal" evaluation on a second axis, fade window shaded). A --quick run's figures and table are
+marked as a smoke run.
 """
 
 from __future__ import annotations
@@ -89,10 +91,11 @@ def aggregate(long):
     return agg
 
 
-def _fmt(mean: float, std: float, metric: str) -> str:
+def _fmt(mean: float, std: float, metric: str, n: int = 2) -> str:
+    """'mean ± SD'; one seed's value alone (its spread is unknown, not 0)."""
     if metric == "acc":
-        return f"{mean:.3f} ± {std:.3f}"
-    return f"{mean:.4g} ± {std:.2g}"
+        return f"{mean:.3f}" + (f" ± {std:.3f}" if n > 1 else "")
+    return f"{mean:.4g}" + (f" ± {std:.2g}" if n > 1 else "")
 
 
 def markdown_table(agg, paper: dict | None = None) -> str:
@@ -113,7 +116,7 @@ def markdown_table(agg, paper: dict | None = None) -> str:
         cells = [r]
         for c in cols:
             v = idx.get((r, c))
-            cells.append(_fmt(v[0], v[1], v[3]) + (f" (n={v[2]})" if v[2] != _mode_n(agg) else "") if v else "–")
+            cells.append(_fmt(v[0], v[1], v[3], v[2]) + (f" (n={v[2]})" if v[2] != _mode_n(agg) else "") if v else "–")
             if any((rr, c) in paper for rr in rows):
                 cells.append(paper.get((r, c), "–"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -125,40 +128,202 @@ def _mode_n(agg) -> int:
     return int(agg["n"].max()) if not agg.empty else 0
 
 
-def plot_bars(agg, title: str, out: Path) -> None:
+def _per_seed(long) -> dict[tuple[str, str], list[float]]:
+    """(row, column label) -> every seed's value, in seed order, from ``collect``'s long table."""
+    if long is None or long.empty:
+        return {}
+    out: dict[tuple[str, str], list[float]] = {}
+    for r, c, e, v in long.sort_values("seed", kind="stable")[["row", "col", "eval", "value"]].itertuples(index=False):
+        out.setdefault((r, _label(c, e)), []).append(float(v))
+    return out
+
+
+def chance_levels(store: RunStore, cells: list[Cell]) -> dict[tuple[str, str], float]:
+    """(row, column label) -> the task's chance level for that evaluation (its length's, for an
+    evaluation at another length): what the figures draw as the chance line."""
+    from .tasks import make_task
+    out, tasks = {}, {}
+    for cell in cells:
+        if not store.is_done(cell.cfg.run_id):
+            continue
+        chance = store.summary(cell.cfg.run_id).get("chance")
+        for ev in cell.evals:
+            level = chance
+            if ev.length is not None:
+                key = cell.cfg.task.model_dump_json()
+                task = tasks.setdefault(key, make_task(cell.cfg.task))
+                level = task.chance_at(ev.length)
+            if level is not None:
+                out.setdefault((cell.row, _label(cell.col, ev.name)), float(level))
+    return out
+
+
+def smoke_note(cells: list[Cell]) -> str | None:
+    """'smoke run (--quick: 180 steps, 1 seed)' when every run of ``cells`` is on the --quick budget
+    (``experiments.QUICK_STEPS``): its numbers check that everything runs, they are not results."""
+    from .experiments import QUICK_STEPS
+    if not cells or any(c.cfg.steps != QUICK_STEPS for c in cells):
+        return None
+    seeds = len({c.cfg.seed for c in cells})
+    return f"smoke run (--quick: {QUICK_STEPS} steps, {seeds} seed{'s' if seeds > 1 else ''})"
+
+
+def _seeds_text(ns: list[int]) -> str:
+    if not ns:
+        return "no finished runs"
+    lo, hi = min(ns), max(ns)
+    count = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    return f"{count} seed{'s' if hi > 1 else ''} per cell"
+
+
+def describe(exp: Experiment, agg) -> str:
+    """The experiment's description, with a seed count in parentheses ('(3 seeds)', '(fade 5 seeds,
+    others 3)') replaced by the table's own where it does not hold (a --quick run has one seed each)."""
+    import re
+    ns = sorted({int(n) for n in agg["n"]}) if not agg.empty else []
+
+    def fix(m):
+        said = {int(v) for v in re.findall(r"\d+", m.group(1))}
+        if not said or (ns and set(ns) <= said):
+            return m.group(0)
+        return f" ({_seeds_text(ns)})"
+    return re.sub(r"\s*\(([^()]*\bseeds?\b[^()]*)\)", fix, exp.description)
+
+
+def _wrap(text: str, width_in: float, fontsize: float = 10) -> str:
+    """``text`` wrapped to a figure ``width_in`` inches wide (about 0.55 em per character)."""
+    import textwrap
+    return textwrap.fill(text, width=max(30, int(width_in * 72 / (0.55 * fontsize))), break_long_words=False)
+
+
+def _smoke_mark(fig, smoke: str | None) -> None:
+    """A --quick run's figure: 'SMOKE RUN' across it (its title says which budget)."""
+    if smoke:
+        fig.text(0.5, 0.5, "SMOKE RUN", transform=fig.transFigure, fontsize=56, color="tab:red", alpha=0.12,
+                 rotation=20, ha="center", va="center", fontweight="bold", zorder=0)
+
+
+def _titled(title: str, smoke: str | None) -> str:
+    return f"[{smoke}: not results] {title}" if smoke else title
+
+
+def _chance_label(metric: str) -> str:
+    return "chance" if metric == "acc" else "zero predictor"
+
+
+def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None, smoke: str | None = None) -> None:
+    """Grouped bars, one colour per column: the mean over seeds of each cell with its SD as a whisker,
+    and every seed as a point over its bar (``long``: ``collect``'s table); the statistic and n in the
+    legend. A cell of one seed is its point alone: no bar, no whisker (its spread is unknown, not 0).
+    ``chance``: (row, column label) -> chance level (``chance_levels``), a dashed line. ``smoke``: a
+    --quick run's mark (``smoke_note``). The title is wrapped to the figure's width."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
     rows = list(dict.fromkeys(agg["row"]))
     cols = list(dict.fromkeys(agg["column"]))
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) * max(1, len(cols)) ** 0.5 + 2), 4))
+    seeds, chance = _per_seed(long), chance or {}
+    metric = agg["metric"].iloc[0]
+    ns = sorted({int(n) for n in agg["n"]})
+    plot_w = max(5.0, 0.9 * len(rows) * max(1, len(cols)) ** 0.5 + 1.5)
+    width_in = plot_w + 2.6  # the legend's column on the right
+    title = _wrap(_titled(title, smoke), plot_w - 0.6)
+    fig, ax = plt.subplots(figsize=(width_in, 4.2 + 0.17 * title.count("\n")))
     width = 0.8 / max(1, len(cols))
     x = np.arange(len(rows))
     colors = plt.get_cmap("tab10")
+    levels = {v for v in chance.values()}
     for j, c in enumerate(cols):
         sub = agg[agg["column"] == c].set_index("row").reindex(rows)
-        ax.bar(x + (j - (len(cols) - 1) / 2) * width, sub["mean"], width, yerr=sub["std"], capsize=2,
-               label=c or "value", color=colors(j % 10), alpha=0.9)
-    metric = agg["metric"].iloc[0]
+        xs = x + (j - (len(cols) - 1) / 2) * width
+        mean, sd, n = sub["mean"].to_numpy(float), sub["std"].to_numpy(float), sub["n"].fillna(0).to_numpy(int)
+        many = n > 1
+        ax.bar(xs[many], mean[many], width, color=colors(j % 10), alpha=0.85)
+        ax.errorbar(xs[many], mean[many], yerr=sd[many], fmt="none", ecolor="black", elinewidth=1, capsize=3, zorder=3)
+        for i, r in enumerate(rows):
+            if n[i] == 0:
+                continue
+            vals = seeds.get((r, c)) or [mean[i]]
+            off = np.linspace(-0.28, 0.28, len(vals)) * width if len(vals) > 1 else np.zeros(1)
+            single = n[i] == 1
+            ax.scatter(xs[i] + off, vals, s=42 if single else 14, color=colors(j % 10) if single else "white",
+                       edgecolors="black", linewidths=0.8, zorder=4)
+            if len(ns) > 1:  # unequal seed counts: each bar says its own
+                ax.annotate(f"n={n[i]}", (xs[i], 0), xytext=(0, 2), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=6)
+            if len(levels) > 1 and (r, c) in chance:  # chance differs between cells (other tasks or lengths)
+                ax.hlines(chance[(r, c)], xs[i] - width / 2, xs[i] + width / 2, colors="dimgray", linestyles="--", lw=1,
+                          zorder=5)
+    if len(levels) == 1:
+        ax.axhline(next(iter(levels)), color="dimgray", ls="--", lw=1, zorder=5)
     ax.set_ylabel("accuracy" if metric == "acc" else "query MSE / d")
     ax.set_xticks(x, rows, rotation=30, ha="right")
     ax.set_title(title, fontsize=10)
     if metric == "acc":
         ax.set_ylim(0, 1.05)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    if ns == [1]:  # points only
+        handles = [Line2D([], [], color=colors(j % 10), marker="o", markeredgecolor="black", ls="", markersize=6,
+                          label=c or "value") for j, c in enumerate(cols)]
+    else:
+        handles = [Patch(color=colors(j % 10), alpha=0.85, label=c or "value") for j, c in enumerate(cols)]
+        handles += [Line2D([], [], color="black", marker="_", markersize=10, ls="-", lw=1, label="± SD over seeds"),
+                    Line2D([], [], color="white", marker="o", markeredgecolor="black", ls="", markersize=5,
+                           label="one seed")]
+    if levels:
+        shown = f" ({next(iter(levels)):.3g})" if len(levels) == 1 else " (per task)"
+        handles.append(Line2D([], [], color="dimgray", ls="--", lw=1, label=_chance_label(metric) + shown))
+    if ns == [1]:
+        stat = "n = 1 seed per cell:\nthe seed's value (no mean, no SD)"
+    else:
+        stat = f"bars: mean ± SD over seeds,\n{_seeds_text(ns).replace(' per cell', '')} per bar" + \
+               ("\n(n = 1: the point alone)" if ns[0] == 1 else "")
+    ax.legend(handles=handles, title=stat, title_fontsize=8, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0.0, alignment="left")
     fig.tight_layout()
+    _smoke_mark(fig, smoke)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
 
-def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path) -> bool:
-    """Per row (path): mean normal and zero-gate metric over training, gate value on a twin axis."""
+def _gate_of_normal(path, g_pos: float | None, g_content: float | None) -> str:
+    """What "normal" evaluates a run of ``path`` at: its own gates, sigmoid(logit) (the final
+    ``model_g_*`` of its summary): trained where the gate is learned, else never trained on this path."""
+    if g_pos is None or g_content is None:
+        return "normal at the model's own gates"
+    if path.pos.mode == "learned" and path.content.mode == "learned":
+        return (f"normal at its learned g = {g_pos:.2f}" if f"{g_pos:.2f}" == f"{g_content:.2f}" else
+                f"normal at its learned g_pos = {g_pos:.2f}, g_content = {g_content:.2f}")
+
+    def why(kind: str) -> str:  # a derived run (posthoc) starts from its parent's trained logit
+        parent = path.parent
+        return "its parent's learned logit" if parent is not None and getattr(parent, kind).mode == "learned" \
+            else "untrained logit"
+    if path.pos.mode != "learned" and path.content.mode != "learned" and f"{g_pos:.2f}" == f"{g_content:.2f}" \
+            and why("pos") == why("content"):
+        return f"normal at g = {g_pos:.2f} ({why('pos')}),\nnot the path's gate"
+
+    def one(kind: str, v: float) -> str:
+        return f"{v:.2f} ({'learned' if getattr(path, kind).mode == 'learned' else why(kind)})"
+    return f"normal at g_pos = {one('pos', g_pos)},\ng_content = {one('content', g_content)}"
+
+
+def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path, smoke: str | None = None) -> bool:
+    """Per row (path): the mean normal and zero-gate metric over training (the band spans the seeds),
+    the chance level, and on a second axis the gate the path applies in training (black, dashed) and
+    the gate the "normal" evaluation uses (blue, dotted). "normal" is the model's own gates,
+    sigmoid(logit): for a fixed or scheduled gate that logit is never trained, so a faded model is
+    evaluated at g = 0.5, its prior switched back on, whatever the path's gate; each panel says at
+    which g, and the legend says so. ``smoke``: a --quick run's mark."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     from .schedules import Fade, HardSwitch
     groups: dict[str, list[Cell]] = {}
@@ -170,41 +335,69 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path) -> bo
     n = len(groups)
     ncols = min(3, n)
     nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.0 * nrows + (1.3 if ncols > 1 else 2.4)),
+                             squeeze=False)  # the legend below: two columns, or one under a single panel
+    windows = set()
+    chance_drawn = None
     for ax, (name, cs) in zip(axes.flat, groups.items()):
         series = [store.metrics(c.cfg.run_id) for c in cs]
-        metric = store.summary(cs[0].cfg.run_id)["metric"]
+        summaries = [store.summary(c.cfg.run_id) for c in cs]
+        metric = summaries[0]["metric"]
         steps = np.array([r["step"] for r in series[0]])
         for kind, color in (("normal", "tab:blue"), ("zero", "tab:red")):
             ys = np.array([[r[f"{kind}_{metric}"] for r in s[:len(steps)]] for s in series if len(s) >= len(steps)])
-            ax.plot(steps, ys.mean(0), color=color, label=f"{kind} gates")
+            ax.plot(steps, ys.mean(0), color=color)
             if len(ys) > 1:
                 ax.fill_between(steps, ys.min(0), ys.max(0), color=color, alpha=0.15)
+        if summaries[0].get("chance") is not None:
+            chance_drawn = (metric, summaries[0]["chance"])
+            ax.axhline(summaries[0]["chance"], color="dimgray", ls=":", lw=1)
         sched = cs[0].cfg.path.pos.schedule
         if isinstance(sched, Fade) and sched.start_step < steps.max():
-            ax.axvspan(sched.start_step, min(sched.end_step, steps.max()), color="gray", alpha=0.15,
-                       label="fade window")
+            ax.axvspan(sched.start_step, min(sched.end_step, steps.max()), color="gray", alpha=0.15)
+            windows.add("fade")
         elif isinstance(sched, HardSwitch) and sched.at < steps.max():
-            ax.axvline(sched.at, color="gray", ls=":", label="switch")
+            ax.axvline(sched.at, color="gray", ls=":")
+            windows.add("switch")
         ax.set_xlim(0, steps.max())
         ax2 = ax.twinx()
         ax2.plot(steps, np.mean([[r["g_pos"] for r in s[:len(steps)]] for s in series], 0), color="black",
-                 ls="--", lw=1, label="g_pos")
+                 ls="--", lw=1)
+        if all("model_g_pos" in r for s in series for r in s[:len(steps)]):
+            ax2.plot(steps, np.mean([[r["model_g_pos"] for r in s[:len(steps)]] for s in series], 0),
+                     color="tab:blue", ls=":", lw=1.2)
         ax2.set_ylim(-0.02, 1.02)
         ax2.set_ylabel("gate", fontsize=8)
-        ax.set_title(f"{name} (n={len(cs)})", fontsize=9)
+        g = [np.mean([s[k] for s in summaries]) if all(k in s for s in summaries) else None
+             for k in ("model_g_pos", "model_g_content")]
+        ax.text(0.02, 0.97, _gate_of_normal(cs[0].cfg.path, *g), transform=ax.transAxes, fontsize=7,
+                color="tab:blue", va="top", ha="left", bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=1))
+        ax.set_title(_wrap(f"{name} (n={len(cs)})", 4.0, 9), fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(metric, fontsize=8)
         if metric == "acc":
             ax.set_ylim(0, 1.02)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    h1, l1 = axes.flat[0].get_legend_handles_labels()
-    fig.legend(h1 + [plt.Line2D([], [], color="black", ls="--")], l1 + ["g_pos (path)"], loc="lower center",
-               ncol=4, fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    handles = [Line2D([], [], color="tab:blue", label="normal: the model's own gates, sigmoid(logit):\nlearned, "
+                      "or 0.5 on fixed and scheduled paths\n(their logit is never trained); each panel says at which g"),
+               Line2D([], [], color="tab:red", label="zero: both gates forced to 0 (the prior removed)"),
+               Line2D([], [], color="black", ls="--", lw=1, label="gate the path applies in training\n(g_pos, right axis)"),
+               Line2D([], [], color="tab:blue", ls=":", lw=1.2, label="gate of the normal evaluation\n(right axis)")]
+    if "fade" in windows:
+        handles.append(Patch(color="gray", alpha=0.15, label="fade window"))
+    if "switch" in windows:
+        handles.append(Line2D([], [], color="gray", ls=":", label="switch"))
+    if chance_drawn is not None:
+        handles.append(Line2D([], [], color="dimgray", ls=":", lw=1, label=_chance_label(chance_drawn[0])))
+    if any(len(cs) > 1 for cs in groups.values()):
+        handles.append(Patch(color="tab:blue", alpha=0.15, label="shading: min to max over seeds"))
+    legend = fig.legend(handles=handles, loc="lower center", ncol=min(2, ncols), fontsize=7.5)
+    fig.suptitle(_wrap(_titled(title, smoke), 4.4 * ncols), fontsize=10)
+    bottom = legend.get_window_extent(fig.canvas.get_renderer()).height / fig.bbox.height
+    fig.tight_layout(rect=(0, bottom + 0.01, 1, 1))
     fig.subplots_adjust(wspace=0.45)  # room for each panel's right-hand gate axis
+    _smoke_mark(fig, smoke)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return True
@@ -274,16 +467,20 @@ def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: s
     long = collect(store, cells)
     agg = aggregate(long)
     missing = sum(not store.is_done(c.cfg.run_id) for c in cells)
-    md = f"### {exp.name}\n\n{exp.description}\n\n" + markdown_table(agg, exp.paper)
+    description, smoke = describe(exp, agg), smoke_note(cells)
+    md = f"### {exp.name}\n\n{description}\n\n" + markdown_table(agg, exp.paper)
+    if smoke:
+        md += f"\n**{smoke[0].upper() + smoke[1:]}**: a check that everything runs, not results.\n"
     if missing:
         md += f"\n**{missing} of {len(cells)} runs are missing or failed** (see `softprior reproduce {exp.name}`).\n"
     md += provenance_note(store, cells)
     agg.to_csv(out / "table.csv", index=False, float_format="%.6g")
     formation_table(store, cells).to_csv(out / "formation.csv", index=False)
     if not agg.empty:
-        plot_bars(agg, f"{exp.name}: {exp.description}", out / "figure.png")
+        plot_bars(agg, f"{exp.name}: {description}", out / "figure.png", long=long,
+                  chance=chance_levels(store, cells), smoke=smoke)
         if exp.curves:
-            plot_curves(store, cells, exp.name, out / "curves.png")
+            plot_curves(store, cells, exp.name, out / "curves.png", smoke=smoke)
     if exp.analysis is not None:
         md += "\n" + exp.analysis(store, cells, out)
     (out / "table.md").write_text(md)
