@@ -317,3 +317,119 @@ def test_paper_with_no_workers_is_a_usage_error(tmp_path, capsys, command):
                        "--out", str(tmp_path / "out"), *(["--no-progress"] if command == "reproduce" else []))
     assert_usage_error(rc, out, err, "--workers", "0")
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ errors: ours in one line, anything else a traceback
+def assert_failure(rc, out, err, *must_name):
+    """A failure our code found and explains: one line, exit code 1."""
+    assert rc == 1
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("softprior: error: "), err
+    for s in must_name:
+        assert s in lines[0], (s, lines[0])
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom in torch"), KeyError("boom"), ValueError("boom"),
+                                 ImportError("boom"), AttributeError("boom")], ids=lambda e: type(e).__name__)
+def test_a_bug_shows_its_traceback_and_exit_code_1(monkeypatch, capsys, exc):
+    """cli.main used to catch RuntimeError, KeyError, ValueError and ImportError around every command,
+    so a bug in torch or in our code read as a one-line user error with exit code 2."""
+    import softprior.paths
+
+    def broken():
+        raise exc
+    monkeypatch.setattr(softprior.paths, "list_paths", broken)
+    rc, out, err = cli(capsys, "paths")
+    assert rc == 1
+    assert "Traceback (most recent call last)" in err and "boom" in err and "list_paths" in err
+    assert err.strip().splitlines()[-1].startswith(f"softprior: unexpected {type(exc).__name__}")
+
+
+def test_a_bug_during_eval_is_not_a_usage_error(trained, monkeypatch, capsys):
+    import importlib
+    store, s, _, _ = trained
+
+    def broken(*a, **k):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)")
+    monkeypatch.setattr(importlib.import_module("softprior.train"), "evaluate", broken)  # the module, not the function
+    rc, out, err = cli(capsys, "eval", s["run_id"], "--store", store)
+    assert rc == 1 and "Traceback" in err and "mat1 and mat2" in err
+
+
+@pytest.mark.parametrize("command", [["eval", "0123abcd"], ["export", "0123abcd"], ["report", "removability", "--quick"],
+                                     ["store", "verify"]], ids=lambda c: c[0])
+def test_a_typo_in_store_is_an_error_not_a_new_store(tmp_path, capsys, command):
+    """Reading a store that is not there used to create an empty one (and report printed an empty table)."""
+    typo = tmp_path / "rnus"
+    out_dir = {"report": ["--out", str(tmp_path / "o")], "export": ["--out", str(tmp_path / "o.safetensors")]}
+    rc, out, err = cli(capsys, *command, "--store", str(typo), *out_dir.get(command[0], []))
+    assert_usage_error(rc, out, err, "no run store", str(typo), "check --store")
+    assert not typo.exists() and not any(tmp_path.iterdir())
+
+
+def test_an_unreadable_run_points_at_store_verify(trained, tmp_path, capsys):
+    """It said "checkpoint does not match its config", with exit code 2, as if the input were wrong."""
+    import shutil
+    store, s, _, _ = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(store, copy)
+    (copy / "runs" / s["run_id"] / "final.safetensors").write_bytes(b"\0" * 100)
+    for command in (["eval", s["run_id"]], ["export", s["run_id"], "--out", str(tmp_path / "x.safetensors")]):
+        rc, out, err = cli(capsys, *command, "--store", str(copy))
+        assert_failure(rc, out, err, s["run_id"], f"`softprior store verify --store {str(copy)!r}`")
+
+
+def test_eval_at_a_length_beyond_memory_is_a_limit_not_an_allocator_error(trained, capsys):
+    """--length 100000 printed torch's raw allocator error."""
+    store, s, _, _ = trained
+    rc, out, err = cli(capsys, "eval", s["run_id"], "--length", "100000", "--store", store)
+    assert_usage_error(rc, out, err, "--length 100000", "GiB", "the longest length that fits is about")
+    longest = int(err.rsplit("about", 1)[1].replace(",", "").strip())
+    assert 120 < longest < 100000
+
+
+def test_eval_beyond_a_learned_position_table_is_refused(tmp_path, capsys):
+    rc, out, _ = cli(capsys, "train", "--baseline", "vanilla", "--steps", "3", "--store", str(tmp_path / "s"),
+                     "--json", "--no-progress", "--exploratory")
+    assert rc == 0
+    rid = last_json(out)["run_id"]
+    rc, out, err = cli(capsys, "eval", rid, "--length", "500", "--store", str(tmp_path / "s"))
+    assert_usage_error(rc, out, err, "--length 500", "position table", "the longest it can evaluate is 128")
+
+
+@pytest.mark.parametrize("flag,kind", [("--out", "file"), ("--doc", "dir"), ("--doc", "missing parent"),
+                                       ("--out", "under a file")])
+def test_report_outputs_that_cannot_be_written_are_one_line_errors(trained, tmp_path, capsys, flag, kind):
+    """report --out FILE and --doc DIR ended in tracebacks (FileExistsError, IsADirectoryError)."""
+    store, _, _, _ = trained
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_dir").mkdir()
+    value = {"file": tmp_path / "a_file", "dir": tmp_path / "a_dir", "missing parent": tmp_path / "no" / "doc.md",
+             "under a file": tmp_path / "a_file" / "out"}[kind]
+    args = ["report", "removability", "--quick", "--store", store, flag, str(value)]
+    if flag == "--doc":
+        args += ["--out", str(tmp_path / "out")]
+    rc, out, err = cli(capsys, *args)
+    assert_usage_error(rc, out, err, flag, str(value))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "no").exists()
+
+
+def test_export_into_a_missing_directory_creates_it_and_under_a_file_is_refused(trained, tmp_path, capsys):
+    store, s, _, _ = trained
+    out = tmp_path / "new" / "dir" / "m.safetensors"
+    rc, _, err = cli(capsys, "export", s["run_id"], "--out", str(out), "--store", store)
+    assert rc == 0 and out.is_file(), err
+    (tmp_path / "a_file").write_text("x")
+    rc, o, err = cli(capsys, "export", s["run_id"], "--out", str(tmp_path / "a_file" / "m.safetensors"), "--store", store)
+    assert_usage_error(rc, o, err, "--out", "a_file", "is a file, not a directory")
+
+
+def test_ray_executor_without_ray_is_said_before_anything_runs(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    rc, out, err = cli(capsys, "reproduce", "removability", "--quick", "--executor", "ray", "--no-progress",
+                       "--store", str(tmp_path / "s"), "--out", str(tmp_path / "o"))
+    assert_usage_error(rc, out, err, "--executor ray", "pip install 'softprior[ray]'")
+    assert not (tmp_path / "o").exists()

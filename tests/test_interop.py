@@ -228,3 +228,37 @@ def test_cli_export_with_n_ctx_runs_at_length_40(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("softprior: error: --n-ctx") and "0" in err[0]
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_cli_export_names_its_format_and_prints_how_to_load_it(tmp_path, capsys, monkeypatch):
+    """``export`` wrote safetensors whatever --out said (a .pt file that torch.load cannot read) and
+    did not say how to load it: --out is optional (RUN_ID.hooked.safetensors), a directory gets that
+    name inside it, another extension is refused, and the two printed lines load the file."""
+    from softprior.cli import main
+    from softprior.store import RunStore
+    store = str(tmp_path / "s")
+    assert main(["train", "--path", "unforced", "--steps", "5", "--store", store, "--json", "--no-progress"]) == 0
+    rid = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["run_id"]
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["export", rid[:8], "--store", store]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith(f"wrote {rid}.hooked.safetensors ") and (tmp_path / f"{rid}.hooked.safetensors").is_file()
+    assert out[1:] == ["from softprior.interop import load_transformer_lens",
+                       f"model = load_transformer_lens('{rid}.hooked.safetensors')"]
+    scope = {}
+    exec("\n".join(out[1:]), scope)  # the two lines, as printed
+    assert isinstance(scope["model"], HookedTransformer)
+    _, model = RunStore(store).load_model(rid)
+    x = torch.randint(0, 32, (2, 32), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(theirs(scope["model"], x), ours(model, x, None), rtol=1e-4, atol=1e-4)
+
+    (tmp_path / "exports").mkdir()
+    assert main(["export", rid, "--out", "exports", "--store", store]) == 0
+    assert (tmp_path / "exports" / f"{rid}.hooked.safetensors").is_file()
+    capsys.readouterr()
+    for lying in ("model.pt", "model.bin", "model"):
+        assert main(["export", rid, "--out", lying, "--store", store]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "ends in .safetensors" in err[0] and "'model.hooked.safetensors'" in err[0], err
+        assert not (tmp_path / lying).exists()

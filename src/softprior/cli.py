@@ -1,18 +1,29 @@
 """The ``softprior`` command line. Every command calls the same library functions as the Python API.
-Bad input gets a one-line error naming the bad value and the allowed ones, and exit code 2."""
+
+Errors (``main``): bad input gets one line, ``softprior: error: ...``, naming the bad value and the
+allowed ones or the command that fixes it, and exit code 2; a failure our code finds and explains (a
+damaged run, a run whose training failed) gets one line too, and exit code 1. Only our own error
+classes are read so (``_BAD_INPUT``, ``_FAILURES``): anything else is a bug or an unforeseen failure,
+and shows its traceback (exit code 1) rather than pass for a user's mistake.
+
+Start-up: building the parser imports nothing heavy, and each command imports what it needs, so
+``--help`` and ``paths`` answer without importing torch (seconds on a loaded machine).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 __all__ = ["main"]
 
 
 class CliError(Exception):
-    pass
+    """Bad input found by the command line itself (exit code 2)."""
 
 
 def _one_line(msg: str) -> str:
@@ -21,9 +32,25 @@ def _one_line(msg: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(msg))
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Fills ``{model_presets}`` in a help text when help is shown: the presets live beside the model,
+    which imports torch, and building the parser must not."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action)
+        if "{model_presets}" in text:
+            from .model import MODEL_PRESETS
+            text = text.replace("{model_presets}", ", ".join(MODEL_PRESETS))
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the project's error format: one line, ``softprior: error: ...``, exit code 2
     (argparse's default prints the usage block first)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"softprior: error: {_one_line(message)} (see '{self.prog} --help')\n")
@@ -84,6 +111,50 @@ def _print_rows(rows) -> int:
     return 0
 
 
+def _creatable(path: str, flag: str) -> Path:
+    """``path`` where it can be created: its nearest existing ancestor is a directory we may write
+    (a one-line error naming ``flag`` if not, before any work is done)."""
+    p = Path(path)
+    try:
+        q = p.absolute()
+        while not q.exists():
+            q = q.parent
+    except (OSError, ValueError) as e:  # e.g. a NUL byte in the name
+        raise CliError(f"{flag} {path!r} is not a usable path ({e})") from None
+    if not q.is_dir():
+        raise CliError(f"{flag} {path!r} cannot be created: {str(q)!r} is a file, not a directory")
+    if not os.access(q, os.W_OK):
+        raise CliError(f"{flag} {path!r} cannot be written: directory {str(q)!r} is read-only")
+    return p
+
+
+def _out_dir(path: str, flag: str = "--out") -> Path:
+    """A directory to write into (created if missing)."""
+    p = _creatable(path, flag)
+    if p.exists() and not p.is_dir():
+        raise CliError(f"{flag} {path!r} is a file; give a directory (it receives the tables and figures)")
+    return p
+
+
+def _doc_file(path: str | None, flag: str = "--doc") -> None:
+    """A markdown file to splice tables into (created if missing; its directory must exist)."""
+    if path is None:
+        return
+    p = _creatable(path, flag)
+    if p.is_dir():
+        raise CliError(f"{flag} {path!r} is a directory; give a markdown file (tables go between "
+                       "<!-- table:NAME --> markers in it)")
+    if not p.absolute().parent.is_dir():
+        raise CliError(f"{flag} {path!r}: directory {str(p.parent)!r} does not exist (mkdir -p {str(p.parent)!r})")
+
+
+def _check_outputs(args, default_out: str) -> None:
+    """--out, --doc and --readme checked before a report (or the training before it) starts."""
+    _out_dir(args.out or default_out)
+    _doc_file(getattr(args, "doc", None))
+    _doc_file(getattr(args, "readme", None), "--readme")
+
+
 def _write_report(args, exp, cells, store) -> None:
     from .report import splice_into_doc, write_report
     out = args.out or f"results/{exp.name}"
@@ -95,9 +166,13 @@ def _write_report(args, exp, cells, store) -> None:
           file=sys.stderr)
 
 
-def _store(args):
+def _store(args, read_only: bool = False):
+    """The store of --store. The commands that only read it open it ``read_only``: they never create a
+    store (a typo in --store is an error, not a new empty store) and never write one, so a store shared
+    read-only or on a read-only mount is read like any other. The others need it writable (created if
+    missing: train, reproduce, calibrate)."""
     from .store import RunStore
-    return RunStore(args.store)
+    return RunStore(args.store, read_only=read_only)
 
 
 def _print_result(summary: dict, as_json: bool, extra_lines=()):
@@ -159,22 +234,43 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _check_length(length: int, cfg, model) -> None:
+    """--length against what the run's model can hold: a learned position table's rows, and memory:
+    one layer's attention over the validation set holds about three [n_val, heads, T, T] tensors
+    (measured: 2.1 at T = 512 and 1024), refused beyond this machine's memory rather than left to the
+    allocator's error."""
+    rows = [m.max_len for m in model.modules() if isinstance(getattr(m, "max_len", None), int)]
+    if rows and length > min(rows):
+        raise CliError(f"--length {length} is longer than run {cfg.run_id}'s {cfg.model.positional} position table "
+                       f"({min(rows)} rows); the longest it can evaluate is {min(rows)}")
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: the allocator decides
+        return
+    per = 3 * cfg.n_val * cfg.model.n_heads * next(model.parameters()).element_size()  # bytes per T^2
+    if per * length ** 2 > have:
+        raise CliError(f"--length {length} needs about {per * length ** 2 / 2 ** 30:,.0f} GiB for the attention of "
+                       f"{cfg.n_val} validation sequences; this machine has {have / 2 ** 30:,.0f} GiB: the longest "
+                       f"length that fits is about {int((have / per) ** 0.5):,}")
+
+
 def cmd_eval(args) -> int:
     import torch
 
     from .tasks import make_task
     from .train import evaluate
 
-    store = _store(args)
-    cfg, model = store.load_model(args.run_id)
     gp, gc = parse_gates(args.gates)
+    store = _store(args, read_only=True)
+    cfg, model = store.load_model(args.run_id)
     task = make_task(cfg.task)
     length = cfg.model.n_ctx if args.length is None else args.length
     if length < task.min_length():
         raise CliError(f"--length {length} is too short for {cfg.task.name}; minimum {task.min_length()}")
+    _check_length(length, cfg, model)
     val = cfg.validation_batch(task, length=length)
-    res = evaluate(model, task, val.inputs, val.targets, gp, gc)
     with torch.no_grad():
+        res = evaluate(model, task, val.inputs, val.targets, gp, gc)
         g_pos, g_content = model.gates(gp, gc)
     out = {"run_id": cfg.run_id, "metric": task.metric, task.metric: res[task.metric], "loss": res["loss"],
            "length": length, "g_pos": float(g_pos.mean()), "g_content": float(g_content.mean()),
@@ -215,7 +311,8 @@ def _paper(args, train: bool) -> int:
     tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
     opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks)
     exps = paper_cells(opts)
-    store = _store(args)
+    _check_outputs(args, "results")
+    store = _store(args, read_only=not train)
     out = Path(args.out or "results")
     failed = 0
     if train:
@@ -266,6 +363,7 @@ def cmd_reproduce(args) -> int:
     from .executors import execute
     if args.workers < 1:
         raise CliError(f"--workers must be >= 1, got {args.workers}")
+    _check_executor(args)
     if args.device:  # for one experiment and for the paper alike
         import os
         import torch
@@ -277,6 +375,7 @@ def cmd_reproduce(args) -> int:
     if args.name == "paper":
         return _paper(args, train=True)
     exp, cells = _experiment(args)
+    _check_outputs(args, f"results/{exp.name}")
     store = _store(args)
     print(f"{exp.name}: {exp.description}\n{len(cells)} runs, store {args.store}, executor {args.executor}"
           f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {_group_shown(args, [c.cfg for c in cells], store)}",
@@ -289,9 +388,16 @@ def cmd_reproduce(args) -> int:
     return 1 if report.failed else 0
 
 
-def cmd_calibrate(args) -> int:
-    from pathlib import Path
+def _check_executor(args) -> None:
+    """--executor ray without Ray installed: said before anything runs."""
+    if getattr(args, "executor", "local") == "ray":
+        import importlib.util
+        if importlib.util.find_spec("ray") is None:
+            raise CliError("--executor ray needs Ray, which is not installed: pip install 'softprior[ray]' "
+                           "(or leave --executor at local)")
 
+
+def cmd_calibrate(args) -> int:
     from .calibration import load_space
     from .calibration.report import choose, write_outputs
     from .calibration.search import load_candidates, run_search
@@ -301,6 +407,8 @@ def cmd_calibrate(args) -> int:
         raise CliError(f"search space {space.name!r} is for task {space.task!r}, not {args.task!r}")
     if args.budget is not None and args.budget < 1:
         raise CliError(f"--budget must be >= 1, got {args.budget}")
+    _check_executor(args)
+    _check_outputs(args, f"results/calibration/{space.name}")
     store = _store(args)
     out = Path(args.out or f"results/calibration/{space.name}")
     t0 = time.perf_counter()
@@ -345,7 +453,8 @@ def cmd_report(args) -> int:
     if args.name == "paper":
         return _paper(args, train=False)
     exp, cells = _experiment(args)
-    _write_report(args, exp, cells, _store(args))
+    _check_outputs(args, f"results/{exp.name}")
+    _write_report(args, exp, cells, _store(args, read_only=True))
     return 0
 
 
@@ -373,18 +482,40 @@ def cmd_bench(args) -> int:
     return 0
 
 
+EXPORT_SUFFIX = ".hooked.safetensors"  # names the format: a HookedTransformer's weights, in safetensors
+
+
+def _export_path(out: str | None, run_id: str) -> Path:
+    """Where ``export`` writes: --out as given if it names a .safetensors file, RUN_ID.hooked.safetensors
+    inside it if it is a directory (or ends in /), in the current directory without --out. Another
+    extension is refused: the file is safetensors whatever it is called (a .pt would lie)."""
+    if out is None:
+        return Path(run_id + EXPORT_SUFFIX)
+    p = _creatable(out, "--out")
+    if p.is_dir() or out.endswith(("/", os.sep)):
+        return p / (run_id + EXPORT_SUFFIX)
+    if not p.name.endswith(".safetensors"):
+        stem = p.name.split(".", 1)[0] or run_id
+        raise CliError(f"--out {out!r}: the export is a safetensors file, so its name ends in .safetensors "
+                       f"(e.g. {str(p.with_name(stem + EXPORT_SUFFIX))!r}), or give a directory")
+    return p
+
+
 def cmd_export(args) -> int:
     from .interop import export_transformer_lens
     if args.format != "transformer-lens":
         raise CliError(f"unknown export format {args.format!r}; allowed: transformer-lens")
     if args.n_ctx is not None and args.n_ctx < 1:
         raise CliError(f"--n-ctx must be a positive integer, got {args.n_ctx}")
-    store = _store(args)
-    cfg, model = store.load_model(args.run_id)
     gates = parse_gates(args.gates) if args.gates else None
-    path = export_transformer_lens(model, args.out, gates=gates, n_ctx=args.n_ctx)
-    print(f"wrote {path} (TransformerLens config + state dict of run {cfg.run_id}, "
-          f"inputs up to {args.n_ctx or cfg.model.n_ctx} tokens)")
+    _export_path(args.out, "RUN_ID")  # refused before the run is read
+    store = _store(args, read_only=True)
+    cfg, model = store.load_model(args.run_id)
+    path = export_transformer_lens(model, _export_path(args.out, cfg.run_id), gates=gates, n_ctx=args.n_ctx)
+    print(f"wrote {path} (TransformerLens config + state dict and prior of run {cfg.run_id}, "
+          f"inputs up to {args.n_ctx or cfg.model.n_ctx} tokens); load it into a HookedTransformer with:\n"
+          f"from softprior.interop import load_transformer_lens\n"
+          f"model = load_transformer_lens({str(path)!r})")
     return 0
 
 
@@ -414,7 +545,6 @@ def cmd_tasks(args) -> int:
 
 # ------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
-    from .model import MODEL_PRESETS
     p = _Parser(prog="softprior", description="Annealable soft-prior Transformers: train, "
                                 "evaluate and reproduce circuit-removability experiments.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -426,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--task-opt", action="append", metavar="KEY=VALUE",
                    help="task option, e.g. p=0.2 (markov) or n_pairs=12 (assoc_recall); repeatable")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--model", default="base", help=f"one of {', '.join(MODEL_PRESETS)}")
+    t.add_argument("--model", default="base", help="one of {model_presets}")
     t.add_argument("--steps", type=int, default=None, help="step budget (default 3600); a path whose schedule "
                    "settles later (fade600->0 ends at step 1050) is scaled to it as --quick does, and named so")
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: the free cores, "
@@ -517,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="export a stored run to another library's format")
     ex.add_argument("run_id")
     ex.add_argument("--format", default="transformer-lens")
-    ex.add_argument("--out", required=True)
+    ex.add_argument("--out", default=None, help="a .safetensors file, or a directory for RUN_ID.hooked.safetensors "
+                    "(default: RUN_ID.hooked.safetensors here)")
     ex.add_argument("--gates", default=None, help="gates baked into the export, e.g. pos=0,content=0")
     ex.add_argument("--n-ctx", type=int, default=None, help="longest input the exported model accepts "
                     "(default: the training context; e.g. 120 for the length test)")
@@ -527,7 +658,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv = st.add_parser("verify", help="check every finished run's files against the SHA-256 checksums recorded when "
                        "they were written, and the index (exit 1 if anything is damaged)")
     sv.add_argument("--repair", action="store_true", help="re-queue only the damaged runs (records deleted, files moved "
-                    "to STORE/damaged/); rebuild a damaged index from the run directories")
+                    "to STORE/damaged/); rebuild a damaged index from the run directories (needs a writable store; "
+                    "without --repair a read-only store is checked as any other)")
     sv.add_argument("--store", default="runs")
     sv.set_defaults(fn=cmd_store_verify)
     sub.add_parser("paths", help="list training paths").set_defaults(fn=cmd_paths)
@@ -535,26 +667,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class CliFailure(Exception):
+    """A failure the command line found and explains in one line (exit code 1)."""
+
+
+# Our own error classes, by module and name: looked up in sys.modules, so telling them apart imports
+# nothing (an error whose module was never imported cannot have been raised). A failure is tried first
+# (StoreDamagedError is a StoreError).
+_FAILURES = (("softprior.cli", "CliFailure"), ("softprior.store.errors", "StoreDamagedError"),
+             ("softprior.runner", "RunFailedError"))
+_BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
+              ("softprior.store.errors", "StoreError"),  # a run or store not there, a store not writable
+              ("softprior.paths", "UnknownPathError"), ("softprior.tasks", "UnknownTaskError"),
+              ("softprior.model", "UnknownModelError"), ("softprior.baselines", "UnknownBaselineError"),
+              ("softprior.positional.base", "UnknownSchemeError"),
+              ("softprior.experiments", "UnknownExperimentError"), ("softprior.experiments", "UnknownTaskFilterError"),
+              ("softprior.experiments", "PluginError"), ("softprior.calibration.space", "SpaceError"),
+              ("softprior.calibration.record", "CalibrationMissing"),  # and RecordRefused, a subclass
+              ("softprior.interop", "ExportError"), ("softprior.interop", "MissingExtraError"))
+
+
+def _is(e: BaseException, classes) -> bool:
+    return any(isinstance(e, c) for mod, name in classes
+               if isinstance(c := getattr(sys.modules.get(mod), name, None), type))
+
+
 def main(argv: list[str] | None = None) -> int:
-    from pydantic import ValidationError
-
-    from .store import StoreError
-
     args = build_parser().parse_args(argv)
     if getattr(args, "steps", None) is not None and args.steps < 1:
         print(f"softprior: error: --steps must be a positive integer, got {args.steps}", file=sys.stderr)
         return 2
     try:
         return args.fn(args)
-    except ValidationError as e:
-        print(f"softprior: error: invalid configuration: {_one_line(_format_validation_error(e))}", file=sys.stderr)
-    except (CliError, StoreError, ValueError, KeyError, RuntimeError, ImportError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"softprior: error: {_one_line(msg)}", file=sys.stderr)
     except KeyboardInterrupt:
         print("softprior: interrupted", file=sys.stderr)
         return 130
-    return 2
+    except Exception as e:  # noqa: BLE001 - sorted below: ours in one line, anything else with its traceback
+        code = 1 if _is(e, _FAILURES) else 2 if _is(e, _BAD_INPUT) else None
+        if code is None:
+            import traceback
+            traceback.print_exc()
+            print(f"softprior: unexpected {type(e).__name__} (not an input error; the traceback above shows where)",
+                  file=sys.stderr)
+            return 1
+        msg = (f"invalid configuration: {_format_validation_error(e)}" if _is(e, [("pydantic", "ValidationError")])
+               else str(e))
+        print(f"softprior: error: {_one_line(msg)}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -43,9 +43,17 @@ import torch
 from .model import ModelConfig, SoftPriorTransformer
 
 __all__ = ["to_hooked_transformer", "export_transformer_lens", "load_transformer_lens", "tl_config_dict",
-           "FORMAT"]
+           "FORMAT", "ExportError", "MissingExtraError"]
 
 FORMAT = "softprior-transformer-lens/1"
+
+
+class ExportError(ValueError):
+    """A model or file this module cannot convert (the command line shows it in one line)."""
+
+
+class MissingExtraError(ImportError):
+    """TransformerLens (with HookedTransformer) is not installed."""
 
 
 def _import_tl():
@@ -54,18 +62,18 @@ def _import_tl():
             warnings.simplefilter("ignore")
             from transformer_lens import HookedTransformer, HookedTransformerConfig
     except ImportError as e:  # not installed, or TransformerLens >= 4 (HookedTransformer removed)
-        raise ImportError("softprior.interop needs TransformerLens with HookedTransformer "
-                          "(pip install 'transformer-lens>=2,<4'): " + str(e)) from e
+        raise MissingExtraError("softprior.interop needs TransformerLens with HookedTransformer "
+                                "(pip install 'softprior[tl]' or 'transformer-lens>=2,<4'): " + str(e)) from e
     return HookedTransformer, HookedTransformerConfig
 
 
 def _check_token_model(cfg: ModelConfig):
     if cfg.d_in is not None or cfg.d_out is not None:
-        raise ValueError("TransformerLens export supports token models only; this model reads vectors "
+        raise ExportError("TransformerLens export supports token models only; this model reads vectors "
                          f"(d_in={cfg.d_in}, d_out={cfg.d_out}, e.g. linear_icl)")
     scheme = getattr(cfg, "positional", "none")
     if scheme != "none":
-        raise ValueError(f"TransformerLens export supports the soft-prior model only, not the static "
+        raise ExportError(f"TransformerLens export supports the soft-prior model only, not the static "
                          f"positional baseline {scheme!r}")
 
 
@@ -238,7 +246,7 @@ def load_transformer_lens(path, device=None):
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a softprior TransformerLens export (format={meta.get('format')!r})")
+        raise ExportError(f"{path} is not a softprior TransformerLens export (format={meta.get('format')!r})")
     tensors = load_file(str(path))
     weights = {k: v for k, v in tensors.items() if not k.startswith("softprior.")}
     prior = {k[len("softprior."):]: v for k, v in tensors.items() if k.startswith("softprior.")}
