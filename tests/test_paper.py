@@ -17,18 +17,50 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_claim_predicates_by_hand():
-    tables = {"removability": {("fade600", "zero"): 0.70}}
+    # "high" is a share of the task's Bayes ceiling: .77 x .78 = .6006
+    tables = {"removability": {("fade600", "zero"): 0.70, ("fade600", "zero", "ceiling"): 0.78}}
     v = {cl.name: (verdict, ev) for cl, verdict, ev in verdicts(tables)}
     assert v["fade keeps (base)"][0] == "reproduced"
-    assert "0.700 >= 0.6" in v["fade keeps (base)"][1][0]
+    assert "0.700 >= 0.601 (= 0.77 x ceiling 0.780)" in v["fade keeps (base)"][1][0]
     tables["removability"][("fade600", "zero")] = 0.59
     assert {cl.name: vv for cl, vv, _ in verdicts(tables)}["fade keeps (base)"] == "not reproduced"
-    # relative and multi-condition claims
+    # relative and multi-condition claims (no ceiling column: a ceiling of 1, so the margin is -.26)
     t = {"causal_controls": {("hard_switch1050", "zero"): 0.29, ("fade600", "zero"): 0.73}}
     assert {cl.name: vv for cl, vv, _ in verdicts(t)}["hard switch 1050"] == "reproduced"
-    t["causal_controls"][("hard_switch1050", "zero")] = 0.10  # below fade - .2, but not above .15
+    t["causal_controls"][("hard_switch1050", "zero")] = 0.10  # below fade - .26, but not above .15
     assert {cl.name: vv for cl, vv, _ in verdicts(t)}["hard switch 1050"].startswith("partly (1 of 2")
     assert {cl.name: vv for cl, vv, _ in verdicts({})}["markov"] == "not measured"
+
+
+def test_intervals_by_hand():
+    """t interval: mean .15, s = .01, n = 3: .15 -+ 4.3027 x .01 / sqrt 3 = [.1252, .1748]; chi-square
+    interval of an SD (s = 1, n = 3): [sqrt(2 / 7.3778), sqrt(2 / .050636)] = [.5207, 6.285]."""
+    from softprior.paper import difference_interval, mean_interval, sd_interval
+    lo, hi = mean_interval([0.14, 0.15, 0.16])
+    assert lo == pytest.approx(0.12516, abs=1e-4) and hi == pytest.approx(0.17484, abs=1e-4)
+    assert mean_interval([0.5, 0.5]) == (0.5, 0.5)
+    assert mean_interval([0.5]) == (float("-inf"), float("inf"))
+    lo, hi = sd_interval([0.0, 1.0, 2.0])
+    assert lo == pytest.approx(0.5207, abs=1e-3) and hi == pytest.approx(6.285, abs=1e-2)
+    # paired by seed: differences .1, .2, .3 -> .2 -+ 4.3027 x .1 / sqrt 3 = [-.0484, .4484]
+    lo, hi = difference_interval([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])
+    assert lo == pytest.approx(-0.0484, abs=1e-3) and hi == pytest.approx(0.4484, abs=1e-3)
+
+
+def test_a_claim_whose_interval_straddles_its_threshold_is_inconclusive():
+    """forced_zero zero <= .15 with seeds .14 / .15 / .16: the mean sits on the threshold and the
+    interval [.125, .175] straddles it, so the claim is neither reproduced nor refuted."""
+    def table(vals):
+        m = sum(vals) / len(vals)
+        return {"causal_controls": {("forced_zero", "zero"): m, ("forced_zero", "zero", "values"): vals,
+                                    ("forced_zero", "zero", "n"): float(len(vals))}}
+    v = {cl.name: (vv, ev) for cl, vv, ev in verdicts(table([0.14, 0.15, 0.16]))}["forced_zero fails"]
+    assert v[0].startswith("inconclusive")
+    assert "95% CI [0.125, 0.175]" in v[1][0] and "n=3" in v[1][0]
+    assert {cl.name: vv for cl, vv, _ in verdicts(table([0.10, 0.11, 0.12]))}["forced_zero fails"] == "reproduced"
+    assert {cl.name: vv for cl, vv, _ in verdicts(table([0.30, 0.31, 0.32]))}["forced_zero fails"] == "not reproduced"
+    # the same mean (.145) that a point rule would call reproduced is inconclusive at this spread
+    assert {cl.name: vv for cl, vv, _ in verdicts(table([0.10, 0.19]))}["forced_zero fails"].startswith("inconclusive")
 
 
 def test_every_claim_reads_a_paper_experiment():
@@ -45,25 +77,24 @@ def test_verdict_table_follows_the_store(tmp_path):
     from softprior.store import RunStore
     store = RunStore(tmp_path / "s")
     exp = get_experiment("removability")
-    cells = exp.build(Options(seeds=1, quick=True))
+    cells = exp.build(Options(seeds=2, quick=True))
     cells = [type(c)(c.cfg.model_copy(update={"steps": 12, "eval_every": 6, "n_val": 32}), c.row, c.col, c.evals)
              for c in cells if c.row in ("fade600", "forced_zero")]
     assert not execute([c.cfg for c in cells], store, progress=False).failed
     write_report(store, exp, cells, tmp_path / "results" / "removability")
     before = dict((cl.name, v) for cl, v, _ in verdicts(load_tables(tmp_path / "results")))
-    assert before["fade keeps (base)"] == "not reproduced"  # 12 steps learn nothing
-    fade = next(c for c in cells if c.row == "fade600").cfg.run_id
-    p = store.run_dir(fade) / "summary.json"
-    d = json.loads(p.read_text())
-    d["zero_acc"] = 0.9
+    assert before["fade keeps (base)"] in ("not reproduced", "inconclusive (0 of 1 conditions hold, 1 undecided)")
     import sqlite3
-    with sqlite3.connect(store.root / "index.sqlite") as db:
-        db.execute("UPDATE runs SET summary=? WHERE run_id=?", (json.dumps(d), fade))
+    for fade in [c.cfg.run_id for c in cells if c.row == "fade600"]:
+        d = json.loads((store.run_dir(fade) / "summary.json").read_text())
+        d["zero_acc"] = 0.9
+        with sqlite3.connect(store.root / "index.sqlite") as db:
+            db.execute("UPDATE runs SET summary=? WHERE run_id=?", (json.dumps(d), fade))
     write_report(store, exp, cells, tmp_path / "results" / "removability")
     after = dict((cl.name, v) for cl, v, _ in verdicts(load_tables(tmp_path / "results")))
-    assert after["fade keeps (base)"] == "reproduced"
+    assert after["fade keeps (base)"] == "reproduced"  # both seeds at .9: a degenerate interval above .77
     doc = write_results_doc(tmp_path / "results", tmp_path / "RESULTS.md", names=["removability"])
-    assert "0.900 >= 0.6" in doc and "## removability" in doc
+    assert "0.900 >= 0.770 (= 0.77 x ceiling 1.000)" in doc and "## removability" in doc
 
 
 def test_committed_results_doc_matches_its_tables():

@@ -63,15 +63,33 @@ def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = N
 def collect(store: RunStore, cells: list[Cell]):
     """Long table: one row per (cell, evaluation) of every finished run."""
     import pandas as pd
-    rows, cache = [], {}
+    rows, cache, ceilings = [], {}, {}
     for cell in cells:
         if not store.is_done(cell.cfg.run_id):
             continue
         metric = store.summary(cell.cfg.run_id)["metric"]
+        ceiling = task_ceiling(cell.cfg.task, ceilings)
         for ev in cell.evals:
             rows.append({"row": cell.row, "col": cell.col, "eval": ev.name, "seed": cell.cfg.seed, "metric": metric,
-                         "value": evaluate_cell(store, cell, ev, cache), "run_id": cell.cfg.run_id})
-    return pd.DataFrame(rows, columns=["row", "col", "eval", "seed", "metric", "value", "run_id"])
+                         "value": evaluate_cell(store, cell, ev, cache), "run_id": cell.cfg.run_id,
+                         "ceiling": ceiling})
+    return pd.DataFrame(rows, columns=["row", "col", "eval", "seed", "metric", "value", "run_id", "ceiling"])
+
+
+def task_ceiling(task_cfg, _cache: dict | None = None) -> float:
+    """The Bayes ceiling of a task config (``Task.bayes_accuracy``; nan for linear ICL, whose metric
+    is an MSE), cached per config within one report."""
+    import math
+
+    from .tasks import make_task
+    key = task_cfg.model_dump_json()
+    if _cache is not None and key in _cache:
+        return _cache[key]
+    task = make_task(task_cfg)
+    value = task.bayes_accuracy()[0] if hasattr(task, "bayes_accuracy") else math.nan
+    if _cache is not None:
+        _cache[key] = value
+    return value
 
 
 def _label(col: str, ev: str) -> str:
@@ -81,14 +99,20 @@ def _label(col: str, ev: str) -> str:
 def aggregate(long):
     """(row, column label) -> mean, std (sample std, 0 for one seed), n; rows and columns in build order."""
     import pandas as pd
+    cols = ["row", "column", "metric", "mean", "std", "n", "values", "ceiling"]
     if long.empty:
-        return pd.DataFrame(columns=["row", "column", "metric", "mean", "std", "n"])
+        return pd.DataFrame(columns=cols)
     long = long.assign(column=[_label(c, e) for c, e in zip(long["col"], long["eval"])])
+    if "ceiling" not in long:
+        long = long.assign(ceiling=float("nan"))
     g = long.groupby(["row", "column"], sort=False)
     agg = g["value"].agg(["mean", "std", "count"]).reset_index().rename(columns={"count": "n"})
     agg["std"] = agg["std"].fillna(0.0)
     agg.insert(2, "metric", g["metric"].first().values)
-    return agg
+    # the per-seed values in seed order (the verdicts' intervals are computed from them, paper.py)
+    agg["values"] = [";".join(f"{v:.6g}" for v in grp.sort_values("seed")["value"]) for _, grp in g]
+    agg["ceiling"] = g["ceiling"].first().values
+    return agg[cols]
 
 
 def _fmt(mean: float, std: float, metric: str, n: int = 2) -> str:
@@ -121,7 +145,19 @@ def markdown_table(agg, paper: dict | None = None) -> str:
                 cells.append(paper.get((r, c), "–"))
         lines.append("| " + " | ".join(cells) + " |")
     n = _mode_n(agg)
-    return "\n".join(lines) + f"\n\nmean ± std over {n} seeds unless marked (n=...).\n"
+    return "\n".join(lines) + f"\n\nmean ± std over {n} seeds unless marked (n=...)." + _ceiling_note(agg) + "\n"
+
+
+def _ceiling_note(agg) -> str:
+    """The Bayes ceiling of the tables' tasks (the best any model can score; ``Task.bayes_accuracy``)."""
+    import math
+    if "ceiling" not in agg or agg.empty:
+        return ""
+    acc = agg[agg["metric"] == "acc"]
+    vals = sorted({round(float(c), 4) for c in acc["ceiling"] if not math.isnan(float(c))})
+    if not vals:
+        return ""
+    return " Bayes ceiling of the task: " + ", ".join(f"{v:.3f}" for v in vals) + "."
 
 
 def _mode_n(agg) -> int:
