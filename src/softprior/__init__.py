@@ -1,13 +1,45 @@
 """softprior: annealable soft-prior Transformers and circuit-removability experiments
-(after "Training Trajectories Determine Circuit Removability in Annealable Soft-Prior Transformers")."""
+(after "Training Trajectories Determine Circuit Removability in Annealable Soft-Prior Transformers").
 
-from .config import RunConfig, make_run_config
-from .model import ModelConfig, SoftPriorTransformer, model_preset
-from .paths import GateConfig, PathConfig, get_path, register_path
-from .runner import run
-from .store import RunStore, load_results
-from .train import train
+The public names are imported on first use (PEP 562), so ``import softprior`` and the command
+line's ``--help`` and listings do not import torch."""
 
-__all__ = ["RunConfig", "make_run_config", "ModelConfig", "SoftPriorTransformer", "model_preset", "GateConfig",
-           "PathConfig", "get_path", "register_path", "run", "RunStore", "load_results", "train"]
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+_API = {"RunConfig": "config", "make_run_config": "config", "ModelConfig": "model",
+        "SoftPriorTransformer": "model", "model_preset": "model", "GateConfig": "paths", "PathConfig": "paths",
+        "get_path": "paths", "register_path": "paths", "run": "runner", "RunStore": "store",
+        "load_results": "store", "train": "train"}
+
+__all__ = list(_API)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_API})
+
+
+class _Package(types.ModuleType):
+    """``softprior.train`` is the function ``train``, as when this module imported it eagerly: importing
+    the submodule ``softprior.train`` (which the import system binds on the package) does not
+    replace it (the submodule stays ``sys.modules["softprior.train"]``)."""
+
+    def __setattr__(self, name, value):
+        if name == "train" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
