@@ -15,7 +15,8 @@ abrupt switch or a from-scratch NoPE run does not.
 
    A path that tracks the optimum moves its parameters, over a gate change dg, along
    t * dg with t = dtheta*/dg; ``tracking_cosine`` compares that with the change the path actually
-   made between two snapshots.
+   made between two snapshots. What is measured is the damped Gauss-Newton form of t (below, "The
+   tangent's system"): the Hessian's stationary point is a saddle at a snapshot that is still learning.
 
 2. **Recovery signal.** When the prior is removed at theta_prior, what drives the zero-gate model
    towards the circuit is the zero-gate gradient restricted to the circuit's parameters:
@@ -33,26 +34,54 @@ How each is computed (no Hessian is ever formed):
   H v = grad_theta (grad_theta L . v), a second reverse pass through that graph.
 - ``A_g`` by symmetry of mixed partial derivatives (Schwarz): d/dg grad_theta L = grad_theta (dL/dg),
   one more reverse pass from the scalar dL/dg.
-- The tangent solves the *damped* system (Tikhonov / Levenberg-Marquardt damping, as in Martens 2010,
-  "Deep learning via Hessian-free optimization")
+- ``G v`` (the generalised Gauss-Newton matrix G = J^T H_z J, J = d outputs / d theta, H_z the
+  Hessian of the loss in the outputs; Schraudolph 2002, Martens 2010) by the double-vjp trick for
+  J v, a double backward through the loss alone for H_z, and one reverse pass for J^T
+  (``SecondOrder.ggnvp``), about the cost of an H-vector product.
 
-       (H_g + lambda I) t = -A_g
+The tangent's system (what ``optimum_tangent`` and the trace measure, and why). The implicit function
+theorem's H_g^{-1} A_g is the motion of a *stationary point*; at the snapshots of a run that is still
+learning H_g is strongly indefinite, so the stationary point it follows is a saddle the path is not
+on, and (H_g + lambda I) t = -A_g is ill posed at a small damping. On the tiny model of
+``tests/test_continuation_solver.py`` (464 parameters after 40 steps, g = 0.5, float64, dense) H has
+eigenvalues from -3.4 to 7.3, 227 of them negative; MINRES at the former defaults (lambda = 1e-3, 30
+products) returned a tangent with cosine 0.02 with the dense solution while its relative residual
+(0.27) looked acceptable (0.085 after 300 products, cosine 0.15); only lambda ~ 1, where the damping
+dominates, converges, and there the direction turns with the damping (cosine -0.02 between the
+solutions at lambda = 1 and 10). The trace therefore measures the damped Gauss-Newton tangent
 
-  by conjugate gradients (Hestenes & Stiefel 1952; Nocedal & Wright 2006, Algorithm 5.2) or MINRES
-  (Paige & Saunders 1975), at most ``max_iter`` products. Away from an optimum (every snapshot of a
-  run that is still learning) H_g can be indefinite and (H + lambda I) too: CG is then not guaranteed
-  to converge (it is still well defined while p^T (H + lambda I) p != 0; each non-positive curvature
-  seen is flagged in ``Tangent.negative_curvature``, and CG returns the iterate with the smallest
-  residual), MINRES minimises the residual over the same Krylov space for any symmetric matrix. Either
-  way the returned residual || (H + lambda I) t + A || is recomputed with one more product from the
-  returned t, not taken from the recurrence: a large relative residual says the tangent is not
-  converged, and should be read as such. MINRES is the default: on the tiny base model at
-  initialisation (assoc_recall, g = 0.5, 16 examples, float64) CG's residual never fell below ||A||
-  in 30 products (relative residual 1.0 at every damping from 1e-3 to 1; 0.94 after 60), while
-  MINRES reached 0.63 / 0.40 / 0.28 / 0.19 after 5 / 15 / 30 / 60 products, nearly independent of
-  the damping in that range.
+       t = -(G_g + lambda I)^{-1} A_g,    lambda = 1e-3 x kappa_s   (``REL_DAMPING``),
 
-Conventions of the model wrappers (``model_loss``, ``recovery_signal``, ``optimum_tangent``):
+A_g the exact mixed derivative, kappa_s the largest curvature G shows on the Krylov space of A_g at
+the snapshot (the largest Ritz value after ``LANCZOS_STEPS`` = 10 Lanczos steps from A_g,
+``_lanczos_max``; from below, and within a fraction of a percent of the top eigenvalue in our
+checks). G is positive semi-definite at every theta (the loss is convex in the outputs:
+cross-entropy, squared error), so G + lambda I is positive definite for every lambda > 0 and the
+system is well posed at any snapshot; at a minimum with a perfect fit G equals H. It is the curvature
+of the loss with the network linearised around the snapshot, so t is the tangent of the optimum of
+that local, damped model, theta*(g) = argmin_theta L_lin(theta, g) + lambda/2 ||theta - theta_s||^2:
+the response that influence-function work uses for networks away from a minimum (Koh & Liang 2017;
+Bae et al. 2022, "If influence functions are the answer, then what is the question?": the damped
+Gauss-Newton response is the proximal Bregman response function). Why this damping: relative to the
+curvature the solver meets, the condition number of G + lambda I on that space is at most about
+1 + 1 / REL_DAMPING = 1001 at every snapshot, so CG reaches the tolerance in a bounded number of
+products (about sqrt(1001)/2 ln(2/tol) ~ 160 in exact arithmetic; 46-113 measured), where a fixed
+lambda = 1e-3 was 1e-4 of the curvature on one snapshot and 2e-5 on another, and missed the
+tolerance in 500 products there; and the tangent does not change when the loss is rescaled. It is
+solved by conjugate gradients (``_cg_shifts``) to the relative residual
+||(G + lambda I) t + A|| / ||A|| <= 1e-4 (``TOL``), in at most ``MAX_ITER`` = 500 products; the
+residual is recomputed from t with one more product, and ``Tangent.converged`` records whether it
+meets the tolerance. The same Krylov space gives, for no further product, the solution at
+10 lambda: ``Tangent.damping_cos`` = cos(t(lambda), t(10 lambda)) says how much the direction depends
+on the damping (0.91-0.96 on the snapshots we checked: the damping is part of the quantity, and the
+trace reports it). A tangent that did not converge is reported as such (the trace's ``converged``
+column), and a claim computed from it is inconclusive (``analysis.reports``). The Hessian remains
+available (``curvature="hessian"``, with MINRES for an indefinite H, Paige & Saunders 1975, or CG,
+which flags non-positive curvature in ``Tangent.negative_curvature``), an absolute ``damping`` may be
+given instead of the relative one, and a generic ``loss_fn`` closure has only the Hessian.
+docs/CONTINUATION.md says the same for readers of the results.
+
+Conventions of the model wrappers (``model_output``, ``model_loss``, ``recovery_signal``, ``optimum_tangent``):
 
 - theta is every parameter of the model except ``gate_logits``: the gates are the external variable
   g. A learned gate is evaluated at the model's own value sigmoid(logit) and held there.
@@ -86,11 +115,16 @@ import torch
 from ..model import SoftPriorTransformer
 
 __all__ = ["ParamLayout", "SecondOrder", "second_order", "solve_damped", "Tangent", "optimum_tangent_fn",
-           "RecoverySignal", "project_norm", "recovery_signal_fn", "model_loss", "model_second_order",
+           "RecoverySignal", "project_norm", "recovery_signal_fn", "model_output", "model_loss",
+           "model_second_order", "CURVATURES",
            "circuit_mask", "circuit_heads", "zero_gate_mask", "recovery_signal", "optimum_tangent",
            "tracking_cosine", "solution_cosine", "continuation_trace", "removal_step", "path_gates"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (theta [n], delta 0-d) -> scalar loss
+CURVATURES = ("ggn", "hessian")
+# the tangent as the continuation trace measures it (module docstring, "The tangent's system")
+REL_DAMPING, LANCZOS_STEPS, TOL, MAX_ITER, PAIR_FACTOR = 1e-3, 10, 1e-4, 500, 10.0
+_STOP_MARGIN = 0.5  # the solvers stop at half the tolerance: the recomputed residual then meets it
 
 
 # ------------------------------------------------------------------------------------ the generic core
@@ -99,13 +133,31 @@ class SecondOrder:
 
     ``grad`` = grad_theta L, ``mixed`` = A = d/dg grad_theta L = grad_theta (dL/dg) (Schwarz),
     ``hvp(v)`` = H v = grad_theta (grad_theta L . v) (Pearlmutter 1994). Products reuse the graph, so
-    each costs one double-backward pass and no forward."""
+    each costs one double-backward pass and no forward.
 
-    def __init__(self, loss_fn: LossFn, theta: torch.Tensor, g=0.0):
+    Given the loss as ``output_loss(output_fn(theta, g))`` (the network's outputs z, then a loss
+    convex in z: cross-entropy, squared error), ``ggnvp(v)`` = G v, the generalised Gauss-Newton
+    matrix G = J^T H_z J (J = dz/dtheta, H_z = d^2 loss/dz^2; Schraudolph 2002, Martens 2010),
+    positive semi-definite wherever theta is: J v by the double-vjp trick (J v = d/du (J^T u) . v, u a
+    dummy cotangent, one double-backward pass), H_z (J v) by a double backward through the loss
+    alone (cheap: it sees only z), then J^T (H_z J v) by one reverse pass. ``loss_fn`` may then be
+    None."""
+
+    def __init__(self, loss_fn: LossFn | None, theta: torch.Tensor, g=0.0, output_fn=None, output_loss=None):
+        if (output_fn is None) != (output_loss is None):
+            raise ValueError("give output_fn and output_loss together (the loss is output_loss(output_fn(theta, g)))")
+        if loss_fn is None and output_fn is None:
+            raise ValueError("give loss_fn, or output_fn and output_loss")
         self.theta = theta.detach().clone().requires_grad_(True)
         self.g = torch.as_tensor(g, dtype=theta.dtype, device=theta.device).detach().clone().requires_grad_(True)
+        self._out = None
+        self._output_loss = output_loss
         with torch.enable_grad():
-            self.loss = loss_fn(self.theta, self.g)
+            if output_fn is not None:
+                self._out = output_fn(self.theta, self.g)
+                self.loss = output_loss(self._out)
+            else:
+                self.loss = loss_fn(self.theta, self.g)
             g_theta, g_g = torch.autograd.grad(self.loss, (self.theta, self.g), create_graph=True, allow_unused=True)
         self._g_theta = g_theta if g_theta is not None else torch.zeros_like(self.theta)
         self.grad = self._g_theta.detach()
@@ -115,6 +167,12 @@ class SecondOrder:
             a = None
         self.mixed = a.detach() if a is not None else torch.zeros_like(self.theta)
         self.n_products = 0
+        self._ggn = None  # (u, J^T u, z, grad_z loss): built on the first G-vector product
+
+    @property
+    def has_ggn(self) -> bool:
+        """Whether ``ggnvp`` is available (the loss was given as outputs and an output loss)."""
+        return self._out is not None
 
     def hvp(self, v: torch.Tensor) -> torch.Tensor:
         """H v (one double-backward pass through the stored graph)."""
@@ -124,6 +182,40 @@ class SecondOrder:
         out = torch.autograd.grad(self._g_theta, self.theta, grad_outputs=v.to(self.theta.dtype),
                                   retain_graph=True, allow_unused=True)[0]
         return out.detach() if out is not None else torch.zeros_like(self.theta)
+
+    def ggnvp(self, v: torch.Tensor) -> torch.Tensor:
+        """G v = J^T H_z J v, the generalised Gauss-Newton product (class docstring)."""
+        if self._out is None:
+            raise ValueError("the Gauss-Newton product needs the loss as output_loss(output_fn(theta, g))")
+        self.n_products += 1
+        if not self._out.requires_grad:  # outputs independent of theta: J = 0
+            return torch.zeros_like(self.theta)
+        if self._ggn is None:
+            with torch.enable_grad():
+                u = torch.zeros_like(self._out, requires_grad=True)
+                jtu = torch.autograd.grad(self._out, self.theta, grad_outputs=u, create_graph=True,
+                                          allow_unused=True)[0]
+                z = self._out.detach().requires_grad_(True)
+                gz = torch.autograd.grad(self._output_loss(z), z, create_graph=True)[0]
+            self._ggn = (u, jtu, z, gz)
+        u, jtu, z, gz = self._ggn
+        if jtu is None or not jtu.requires_grad:
+            return torch.zeros_like(self.theta)
+        jv = torch.autograd.grad(jtu, u, grad_outputs=v.to(self.theta.dtype), retain_graph=True, allow_unused=True)[0]
+        if jv is None:
+            return torch.zeros_like(self.theta)
+        hjv = torch.autograd.grad(gz, z, grad_outputs=jv, retain_graph=True, allow_unused=True)[0] \
+            if gz.requires_grad else None
+        if hjv is None:  # an output loss linear in z: H_z = 0
+            return torch.zeros_like(self.theta)
+        out = torch.autograd.grad(self._out, self.theta, grad_outputs=hjv, retain_graph=True, allow_unused=True)[0]
+        return out.detach() if out is not None else torch.zeros_like(self.theta)
+
+    def product(self, curvature: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The curvature-vector product: ``hvp`` for "hessian", ``ggnvp`` for "ggn"."""
+        if curvature not in CURVATURES:
+            raise ValueError(f"unknown curvature {curvature!r}; allowed: {', '.join(CURVATURES)}")
+        return self.ggnvp if curvature == "ggn" else self.hvp
 
 
 def second_order(loss_fn: LossFn, theta: torch.Tensor, g=0.0) -> SecondOrder:
@@ -204,6 +296,67 @@ def _minres(op, b, max_iter, tol):
     return x, it, False
 
 
+def _cg_shifts(op, b, shifts, max_iter, tol):
+    """Multi-shift conjugate gradients: (op + s I) x_s = b for every shift s from x_s = 0, in one Krylov
+    space (K_k(op + s I, b) = K_k(op, b), so one product per iteration serves every shift; Jegerlehner
+    1996, "Krylov space solvers for shifted linear systems", hep-lat/9612014; Frommer 2003). The
+    first shift is the base system, CG as in ``_cg`` (Nocedal & Wright 2006, Algorithm 5.2); a shifted
+    system's residual is collinear with the base's, r_s = zeta_s r, and its iterate follows from the
+    base's alpha, beta and zeta_s. The first shift must be the smallest (the slowest to converge);
+    each system stops (its iterate frozen) once its recurrence residual is <= tol ||b||, all stop when
+    the base does or after ``max_iter`` products. Returns (iterates, iterations per system, whether a
+    direction with p^T (op + s_0 I) p <= 0 was met)."""
+    shifts = [float(s) for s in shifts]
+    if any(s < shifts[0] for s in shifts):
+        raise ValueError(f"the first shift must be the smallest, got {shifts}")
+    m, s0 = len(shifts), shifts[0]
+    xs = [torch.zeros_like(b) for _ in shifts]
+    its = [0] * m
+    bnorm = float(torch.linalg.vector_norm(b))
+    if bnorm == 0.0:
+        return xs, its, False
+    r, p = b.clone(), b.clone()
+    ps = [b.clone() for _ in shifts]
+    zeta, zeta_old = [1.0] * m, [1.0] * m
+    active = [True] * m
+    rs = float(torch.dot(r, r))
+    alpha_old, beta_old, neg = 1.0, 0.0, False
+    for k in range(max_iter):
+        Ap = op(p) + s0 * p
+        pAp = float(torch.dot(p, Ap))
+        if pAp <= 0.0:  # not positive definite along p (an indefinite Hessian): CG is still defined if != 0
+            neg = True
+            if pAp == 0.0:
+                break
+        alpha = rs / pAp
+        r = r - alpha * Ap
+        rs_new = float(torch.dot(r, r))
+        beta = rs_new / rs
+        for j in range(m):
+            if not active[j]:
+                continue
+            if j == 0:
+                z_new = 1.0
+            else:
+                den = (alpha_old * zeta_old[j] * (1.0 + alpha * (shifts[j] - s0))
+                       + alpha * beta_old * (zeta_old[j] - zeta[j]))
+                if den == 0.0 or zeta[j] == 0.0:
+                    active[j] = False
+                    continue
+                z_new = zeta[j] * zeta_old[j] * alpha_old / den
+            xs[j] = xs[j] + (alpha * z_new / zeta[j]) * ps[j]
+            ps[j] = z_new * r + (beta * (z_new / zeta[j]) ** 2) * ps[j]
+            zeta_old[j], zeta[j] = zeta[j], z_new
+            its[j] = k + 1
+            if abs(z_new) * math.sqrt(rs_new) <= tol * bnorm:
+                active[j] = False
+        if not active[0] or rs_new == 0.0:
+            break
+        p = r + beta * p
+        rs, alpha_old, beta_old = rs_new, alpha, beta
+    return xs, its, neg
+
+
 def solve_damped(hvp: Callable[[torch.Tensor], torch.Tensor], rhs: torch.Tensor, damping: float = 1e-3,
                  max_iter: int = 30, tol: float = 1e-6, method: str = "minres"):
     """Solve (H + damping I) x = rhs with ``hvp(v) = H v``; returns (x, iterations, negative_curvature).
@@ -221,10 +374,17 @@ def solve_damped(hvp: Callable[[torch.Tensor], torch.Tensor], rhs: torch.Tensor,
 
 @dataclass
 class Tangent:
-    """dtheta*/dg from ``optimum_tangent``: t solves (H + damping I) t = -A approximately.
+    """dtheta*/dg from ``optimum_tangent``: t solves (K + damping I) t = -A approximately, K the
+    ``curvature`` ("ggn": the Gauss-Newton matrix G, "hessian": H; module docstring).
 
-    ``residual`` = ||(H + damping I) t + A||, recomputed from t with one more H-vector product;
-    ``rel_residual`` = residual / ||A|| (1.0 for t = 0)."""
+    ``residual`` = ||(K + damping I) t + A||, recomputed from t with one more product;
+    ``rel_residual`` = residual / ||A|| (1.0 for t = 0); ``converged``: rel_residual <= ``tol``, the
+    stated tolerance (a tangent that is not converged should not be read as dtheta*/dg);
+    ``damping_cos``: cos(t, t') with t' the solution at ``pair_damping`` = 10 x damping (how much the
+    tangent depends on the damping; NaN when not computed); ``iterations``: the solver's iterations
+    (one product each) for t; ``products``: every curvature product spent, the check, the scale and t'
+    included; ``curvature_scale``: the largest Ritz value of K on the Krylov space of A
+    (``_lanczos_max``), of which ``rel_damping`` is the damping's fraction (NaN: an absolute damping)."""
     tangent: torch.Tensor
     residual: float
     rel_residual: float
@@ -234,6 +394,14 @@ class Tangent:
     negative_curvature: bool
     method: str
     layout: "ParamLayout | None" = None
+    curvature: str = "hessian"
+    tol: float = float("nan")
+    converged: bool = False
+    damping_cos: float = float("nan")
+    pair_damping: float = float("nan")
+    products: int = 0
+    curvature_scale: float = float("nan")
+    rel_damping: float = float("nan")
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The tangent as {parameter name: tensor} (model wrappers only)."""
@@ -242,19 +410,85 @@ class Tangent:
         return self.layout.unflatten(self.tangent)
 
 
-def _tangent_from(so: SecondOrder, damping, max_iter, tol, method, layout=None) -> Tangent:
+def _lanczos_max(op, b: torch.Tensor, steps: int = LANCZOS_STEPS) -> float:
+    """The largest Ritz value (in magnitude) of the symmetric ``op`` on the Krylov space
+    K_steps(op, b) (Lanczos 1950, without reorthogonalisation: a few steps only): the curvature scale
+    that CG on op x = b meets, since it works in that same space. From below, and for an extreme
+    eigenvalue in few steps (Kaniel-Paige; Golub & Van Loan 2013, section 10.1). 0.0 for b = 0."""
+    bn = float(torch.linalg.vector_norm(b))
+    if bn == 0.0:
+        return 0.0
+    v, v_old, beta = b / bn, torch.zeros_like(b), 0.0
+    alphas, betas = [], []
+    for _ in range(steps):
+        w = op(v) - beta * v_old
+        a = float(torch.dot(w, v))
+        w = w - a * v
+        alphas.append(a)
+        beta = float(torch.linalg.vector_norm(w))
+        if beta <= 1e-12 * max(abs(x) for x in alphas):  # an invariant subspace: the Ritz values are exact
+            break
+        betas.append(beta)
+        v_old, v = v, w / beta
+    k = len(alphas)
+    off = torch.tensor(betas[:k - 1], dtype=torch.float64)
+    T = torch.diag(torch.tensor(alphas, dtype=torch.float64)) + torch.diag(off, 1) + torch.diag(off, -1)
+    return float(torch.linalg.eigvalsh(T).abs().max())
+
+
+def _tangent_from(so: SecondOrder, damping, max_iter, tol, method, layout=None, curvature: str = "hessian",
+                  pair_factor: float | None = PAIR_FACTOR, rel_damping: float | None = None) -> Tangent:
+    """Solve (K + lambda I) t = -A (K = ``so.product(curvature)``) to ``tol``, and the same at
+    ``pair_factor`` x lambda for ``damping_cos`` (CG: both in one Krylov space, ``_cg_shifts``; MINRES:
+    a second solve). lambda = ``damping`` when it is given (not None), else ``rel_damping`` x the
+    curvature scale (``_lanczos_max`` from A, ``LANCZOS_STEPS`` products). The solvers stop at
+    ``_STOP_MARGIN`` x tol, so that the recomputed residual, which the recurrence tracks only up to
+    rounding, still meets tol."""
+    if method not in ("cg", "minres"):
+        raise ValueError(f"unknown method {method!r}; allowed: cg, minres")
+    prod = so.product(curvature)
+    start = so.n_products
     A = so.mixed
-    t, it, neg = solve_damped(so.hvp, -A, damping, max_iter, tol, method)
-    res = float(torch.linalg.vector_norm(so.hvp(t) + damping * t + A))
+    scale = float("nan")
+    if damping is None:
+        if rel_damping is None or rel_damping < 0:
+            raise ValueError(f"give a damping >= 0, or a rel_damping >= 0; got {damping}, {rel_damping}")
+        scale = _lanczos_max(prod, A)
+        damping = rel_damping * scale
+    elif damping < 0:
+        raise ValueError(f"damping must be >= 0, got {damping}")
+    else:
+        rel_damping = None
+    pair = damping * pair_factor if pair_factor and damping > 0 else float("nan")
+    stop = _STOP_MARGIN * tol
+    t_pair = None
+    if method == "cg":
+        xs, its, neg = _cg_shifts(prod, -A, [damping] + ([pair] if math.isfinite(pair) else []), max_iter, stop)
+        t, it = xs[0], its[0]
+        t_pair = xs[1] if len(xs) > 1 else None
+    else:
+        t, it, neg = solve_damped(prod, -A, damping, max_iter, stop, "minres")
+        if math.isfinite(pair):
+            t_pair = solve_damped(prod, -A, pair, max_iter, stop, "minres")[0]
+    res = float(torch.linalg.vector_norm(prod(t) + damping * t + A))
     an = float(torch.linalg.vector_norm(A))
-    return Tangent(t, res, res / an if an > 0 else 0.0, it, damping, an, neg, method, layout)
+    rel = res / an if an > 0 else 0.0
+    return Tangent(t, res, rel, it, damping, an, neg, method, layout, curvature=curvature, tol=tol,
+                   converged=bool(rel <= tol), damping_cos=_cos(t, t_pair) if t_pair is not None else float("nan"),
+                   pair_damping=pair, products=so.n_products - start, curvature_scale=scale,
+                   rel_damping=rel_damping if rel_damping is not None else float("nan"))
 
 
-def optimum_tangent_fn(loss_fn: LossFn, theta: torch.Tensor, g=0.0, damping: float = 1e-3, max_iter: int = 30,
-                       tol: float = 1e-6, method: str = "minres") -> Tangent:
-    """dtheta*/dg = -(H_g + damping I)^{-1} A_g at (theta, g) for a generic ``loss_fn(theta, g)``
-    (implicit function theorem; see the module docstring), by CG or MINRES on H-vector products."""
-    return _tangent_from(SecondOrder(loss_fn, theta, g), damping, max_iter, tol, method)
+def optimum_tangent_fn(loss_fn: LossFn | None, theta: torch.Tensor, g=0.0, damping: float = 1e-3, max_iter: int = 30,
+                       tol: float = 1e-6, method: str = "minres", output_fn=None, output_loss=None,
+                       curvature: str | None = None) -> Tangent:
+    """dtheta*/dg = -(K + damping I)^{-1} A_g at (theta, g) for a generic ``loss_fn(theta, g)`` (implicit
+    function theorem; see the module docstring), by CG or MINRES on curvature-vector products. K is the
+    Hessian for a loss closure; given the loss as ``output_loss(output_fn(theta, g))`` (``loss_fn``
+    None), ``curvature`` may be "ggn" (the default then) or "hessian"."""
+    so = SecondOrder(loss_fn, theta, g, output_fn, output_loss)
+    curvature = curvature or ("ggn" if so.has_ggn else "hessian")
+    return _tangent_from(so, damping, max_iter, tol, method, curvature=curvature)
 
 
 @dataclass
@@ -367,13 +601,15 @@ def _gate_base(model: SoftPriorTransformer, gate) -> tuple[torch.Tensor, torch.T
     return a.detach().clone(), b.detach().clone()
 
 
-def model_loss(model: SoftPriorTransformer, task, batch, gate=None, direction=(1.0, 1.0),
-               exclude: Sequence[str] = ("gate_logits",)) -> tuple[LossFn, torch.Tensor, ParamLayout]:
-    """(loss_fn, theta0, layout) for the model's training loss on ``batch``: loss_fn(theta, delta) is
-    ``task.loss`` at ``task.loss_positions`` with the parameters theta (flat, ``layout``) and the gates
-    g0 + delta * direction, g0 = ``gate`` (None: the model's own; a float: both; a (pos, content) pair;
-    a component may be None for that gate's own value). ``direction`` (w_pos, w_content): floats or
-    [L, H] tensors. Runs the readable model (double backward)."""
+def model_output(model: SoftPriorTransformer, task, batch, gate=None, direction=(1.0, 1.0),
+                 exclude: Sequence[str] = ("gate_logits",)):
+    """(output_fn, output_loss, theta0, layout): the model's training loss on ``batch`` split as
+    ``output_loss(output_fn(theta, delta))``: output_fn gives the outputs (logits or predictions) at
+    ``task.loss_positions`` with the parameters theta (flat, ``layout``) and the gates g0 + delta *
+    direction, g0 = ``gate`` (None: the model's own; a float: both; a (pos, content) pair; a component
+    may be None for that gate's own value); output_loss(out) = ``task.loss(out, targets)`` (convex in
+    the outputs: cross-entropy or squared error). ``direction`` (w_pos, w_content): floats or [L, H]
+    tensors. Runs the readable model (double backward)."""
     from torch.func import functional_call
     layout = ParamLayout.from_model(model, exclude)
     dtype = next(model.parameters()).dtype
@@ -384,18 +620,33 @@ def model_loss(model: SoftPriorTransformer, task, batch, gate=None, direction=(1
     targets = batch.targets.to(dtype) if batch.targets.is_floating_point() else batch.targets
     pos = task.loss_positions(inputs.shape[1])
 
-    def loss_fn(theta: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        out = functional_call(model, layout.unflatten(theta), (inputs,),
-                              dict(gate_pos=gp0 + delta * wp, gate_content=gc0 + delta * wc, positions=pos),
-                              strict=False)
+    def output_fn(theta: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, layout.unflatten(theta), (inputs,),
+                               dict(gate_pos=gp0 + delta * wp, gate_content=gc0 + delta * wc, positions=pos),
+                               strict=False)
+
+    def output_loss(out: torch.Tensor) -> torch.Tensor:
         return task.loss(out, targets)
+    return output_fn, output_loss, theta0, layout
+
+
+def model_loss(model: SoftPriorTransformer, task, batch, gate=None, direction=(1.0, 1.0),
+               exclude: Sequence[str] = ("gate_logits",)) -> tuple[LossFn, torch.Tensor, ParamLayout]:
+    """(loss_fn, theta0, layout) for the model's training loss on ``batch``: loss_fn(theta, delta) is
+    ``task.loss`` at ``task.loss_positions`` with the parameters theta (flat, ``layout``) and the gates
+    g0 + delta * direction (``model_output``, whose two parts it composes)."""
+    output_fn, output_loss, theta0, layout = model_output(model, task, batch, gate, direction, exclude)
+
+    def loss_fn(theta: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return output_loss(output_fn(theta, delta))
     return loss_fn, theta0, layout
 
 
 def model_second_order(model: SoftPriorTransformer, task, batch, gate=None, direction=(1.0, 1.0)) -> SecondOrder:
-    """``SecondOrder`` of the model's loss at its parameters and ``gate`` (see ``model_loss``)."""
-    fn, theta, _ = model_loss(model, task, batch, gate, direction)
-    return SecondOrder(fn, theta, 0.0)
+    """``SecondOrder`` of the model's loss at its parameters and ``gate`` (see ``model_output``), with
+    both H-vector and Gauss-Newton-vector products."""
+    output_fn, output_loss, theta, _ = model_output(model, task, batch, gate, direction)
+    return SecondOrder(None, theta, 0.0, output_fn, output_loss)
 
 
 def zero_gate_mask(layout: ParamLayout, cfg) -> torch.Tensor:
@@ -482,11 +733,19 @@ def recovery_signal(model: SoftPriorTransformer, task, batch, circuit=None, n_co
 
 
 def optimum_tangent(model: SoftPriorTransformer, task, batch, gate=None, direction=(1.0, 1.0),
-                    damping: float = 1e-3, max_iter: int = 30, tol: float = 1e-6, method: str = "minres") -> Tangent:
-    """dtheta*/dg = -(H_g + damping I)^{-1} A_g for the model at ``gate`` (None: its own gates; a
-    float: both; a pair) along ``direction`` (module docstring); ``Tangent.as_dict()`` names the parts."""
-    fn, theta, layout = model_loss(model, task, batch, gate, direction)
-    return _tangent_from(SecondOrder(fn, theta, 0.0), damping, max_iter, tol, method, layout)
+                    damping: float | None = None, max_iter: int = MAX_ITER, tol: float = TOL, method: str = "cg",
+                    curvature: str = "ggn", pair_factor: float | None = PAIR_FACTOR,
+                    rel_damping: float = REL_DAMPING) -> Tangent:
+    """dtheta*/dg = -(K + lambda I)^{-1} A_g for the model at ``gate`` (None: its own gates; a float:
+    both; a pair) along ``direction``, K the Gauss-Newton matrix ("ggn", the default) or the Hessian
+    ("hessian"); lambda = ``rel_damping`` x the largest curvature K shows on the Krylov space of A_g
+    (the default), or ``damping`` when given; solved to the relative residual ``tol`` in at most
+    ``max_iter`` products, and again at ``pair_factor`` x lambda for ``Tangent.damping_cos`` (module
+    docstring, "The tangent's system"). ``Tangent.converged`` says whether the tolerance was met;
+    ``Tangent.as_dict()`` names the parts."""
+    output_fn, output_loss, theta, layout = model_output(model, task, batch, gate, direction)
+    return _tangent_from(SecondOrder(None, theta, 0.0, output_fn, output_loss), damping, max_iter, tol, method,
+                         layout, curvature, pair_factor, rel_damping)
 
 
 def _flat(x, layout: ParamLayout | None) -> torch.Tensor:
@@ -500,10 +759,11 @@ def _flat(x, layout: ParamLayout | None) -> torch.Tensor:
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()  # the norms in the dot product's precision: |cos| <= 1 up to rounding
     na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
     if na == 0.0 or nb == 0.0:
         return float("nan")
-    return float(torch.dot(a.double(), b.double())) / (na * nb)
+    return float(torch.dot(a, b)) / (na * nb)
 
 
 def tracking_cosine(tangent, before, after, layout: ParamLayout | None = None, dg: float = 1.0) -> float:
@@ -576,13 +836,14 @@ def _other_heads_share(rs: RecoverySignal, other_masks, heads) -> float:
 
 
 def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batch=None, n_examples: int = 256,
-                       damping: float = 1e-3, max_iter: int = 30, method: str = "minres", n_control: int = 8,
-                       step_offset: int = 0, task=None):
+                       damping: float | None = None, max_iter: int = MAX_ITER, method: str = "cg",
+                       n_control: int = 8, step_offset: int = 0, task=None, tol: float = TOL, curvature: str = "ggn",
+                       rel_damping: float = REL_DAMPING):
     """Per snapshot of one run (a pandas DataFrame, one row per snapshot, in step order):
 
         step, g_pos, g_content, signal, grad_norm, share, control_share, expected_share,
         other_heads_share, solution_cos, dg_pos, dg_content, tracking_cos, norm_ratio, residual,
-        rel_residual, cg_iters, negative_curvature, seconds
+        rel_residual, cg_iters, negative_curvature, damping, curvature_scale, converged, damping_cos, seconds
 
     - ``signal``, ``share``, ``control_share``: ``recovery_signal`` at the zero gate with the circuit
       ``circuit`` (see ``circuit_mask``); ``other_heads_share``: the same number of heads outside the
@@ -592,7 +853,12 @@ def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batc
       change w = g(s') - g(s) (so t_w predicts theta(s') - theta(s) to first order) against the actual
       change: ``tracking_cosine``; ``norm_ratio`` = ||t_w|| / ||theta(s') - theta(s)||. NaN where the
       gate did not change (nothing to track) and on the last snapshot. ``residual``/``rel_residual``/
-      ``cg_iters``/``negative_curvature``: the solver's report (``Tangent``).
+      ``cg_iters``/``negative_curvature``/``damping``/``curvature_scale``/``damping_cos``: the solver's
+      report (``Tangent``: the curvature ``curvature``; the damping lambda used, ``rel_damping`` x the
+      snapshot's curvature scale unless ``damping`` is given; the relative tolerance ``tol``, at most
+      ``max_iter`` products; the cosine with the tangent at 10 lambda); ``converged``: False where a tangent was
+      solved and missed ``tol`` (True on the rows without a tangent), so ``df["converged"].all()`` says
+      whether every tracking cosine of the trace rests on a converged tangent.
     - ``seconds``: the wall time of the snapshot's measurements.
 
     The batch is the run's validation set (the first ``n_examples`` of ``cfg.val_seed`` at length
@@ -606,7 +872,7 @@ def continuation_trace(snapshots: Sequence[tuple[int, dict]], cfg, circuit, batc
     if not snaps:
         return pd.DataFrame()
     ctx = _TraceContext(snaps, cfg, circuit, batch, n_examples, damping, max_iter, method, n_control, step_offset,
-                        task)
+                        task, tol, curvature, rel_damping)
     return pd.DataFrame([ctx.row(i) for i in range(len(snaps))])
 
 
@@ -673,13 +939,18 @@ class _TraceContext:
         if not snaps:
             return None
         return cls(snaps, kw["cfg"], kw["circuit"], kw["batch"], kw["n_examples"], kw["damping"], kw["max_iter"],
-                   kw["method"], kw["n_control"], kw["step_offset"], kw["task"])
+                   kw["method"], kw["n_control"], kw["step_offset"], kw["task"], kw["tol"], kw["curvature"],
+                   kw["rel_damping"])
 
     def __init__(self, snaps, cfg, circuit, batch, n_examples, damping, max_iter, method, n_control, step_offset,
-                 task):
+                 task, tol=TOL, curvature="ggn", rel_damping=REL_DAMPING):
         from ..tasks import make_task
         from . import _strip_state
-        self.cfg, self.kw = cfg, dict(damping=damping, max_iter=max_iter, method=method)
+        if curvature not in CURVATURES:  # raised here, before any snapshot is measured
+            raise ValueError(f"unknown curvature {curvature!r}; allowed: {', '.join(CURVATURES)}")
+        self.cfg = cfg
+        self.kw = dict(damping=damping, max_iter=max_iter, method=method, tol=tol, curvature=curvature,
+                       rel_damping=rel_damping)
         self.n_control, self.step_offset = n_control, step_offset
         self.task = task if task is not None else make_task(cfg.task)
         self.batch = batch if batch is not None else cfg.validation_batch(self.task, n=n_examples)
@@ -722,7 +993,8 @@ class _TraceContext:
                "solution_cos": solution_cosine(rs.grad, thetas[i], thetas[-1]),
                "dg_pos": float("nan"), "dg_content": float("nan"), "tracking_cos": float("nan"),
                "norm_ratio": float("nan"), "residual": float("nan"), "rel_residual": float("nan"),
-               "cg_iters": 0, "negative_curvature": False}
+               "cg_iters": 0, "negative_curvature": False, "damping": float("nan"),
+               "curvature_scale": float("nan"), "converged": True, "damping_cos": float("nan")}
         w = self._gate_change(i)
         if w is not None:
             row["dg_pos"], row["dg_content"] = w
@@ -735,7 +1007,8 @@ class _TraceContext:
                            norm_ratio=float(torch.linalg.vector_norm(tg.tangent) / torch.linalg.vector_norm(delta))
                            if float(torch.linalg.vector_norm(delta)) > 0 else float("nan"),
                            residual=tg.residual, rel_residual=tg.rel_residual, cg_iters=tg.iterations,
-                           negative_curvature=tg.negative_curvature)
+                           negative_curvature=tg.negative_curvature, damping=tg.damping,
+                           curvature_scale=tg.curvature_scale, converged=tg.converged, damping_cos=tg.damping_cos)
         row["seconds"] = time.perf_counter() - t0
         return row
 
