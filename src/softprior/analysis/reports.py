@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .continuation import MAX_ITER, REL_DAMPING, TOL
+
 if TYPE_CHECKING:  # type names only: importing them would close a cycle through the registry
     from ..experiments import Cell
     from ..store import RunStore
@@ -109,9 +111,10 @@ def _ms(vals, digits=3) -> str:
     return "–" if not math.isfinite(m) else f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
-def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_examples: int = 256, max_iter: int = 30,
-                        damping: float = 1e-3, method: str = "minres", threshold: float = 0.03,
-                        threads: int | None = 1, workers: int = 1) -> str:
+def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_examples: int = 256,
+                        max_iter: int = MAX_ITER, damping: float | None = None, method: str = "cg",
+                        threshold: float = 0.03, threads: int | None = 1, workers: int = 1, tol: float = TOL,
+                        curvature: str = "ggn", rel_damping: float = REL_DAMPING) -> str:
     """The paper's continuation quantities (``softprior.analysis.continuation``) over every stored
     snapshot of each finished run, a summary table, a verdict paragraph and a figure.
 
@@ -122,6 +125,13 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
     initialisation). Writes ``continuation_<task>_<path>_seed<s>.csv`` per run and
     ``continuation.png`` (per task and path, means over seeds: recovery share, its two controls,
     tracking and solution cosines against the step, the gate on a second axis).
+
+    The tangents (``continuation.optimum_tangent``): the ``curvature`` ("ggn": damped Gauss-Newton),
+    damped by ``rel_damping`` x each snapshot's curvature scale (or by ``damping`` when given), solved by
+    ``method`` to the relative residual ``tol`` in at most ``max_iter`` products.
+    A tracking cosine is a claim's number only where every tangent behind it converged: otherwise the
+    claims table leaves it empty and records the converged fraction, and the verdict says
+    "inconclusive" (``continuation_claims_table``, ``_continuation_verdict``).
 
     ``threads``: torch threads for the measurements (restored after; None leaves them). One, like a
     sweep's workers: on the shared 2-core machine (load ~5) a tangent snapshot took 2.85 s at 1
@@ -134,7 +144,8 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold, workers)
+        return _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold, workers,
+                                    tol, curvature, rel_damping)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -201,7 +212,8 @@ def _read_trace(f: Path):
         return None
 
 
-def _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold, workers) -> str:
+def _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold, workers,
+                         tol=TOL, curvature="ggn", rel_damping=REL_DAMPING) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -231,7 +243,9 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
         parent = c.cfg.parent()
         return parent.total_steps if parent is not None else 0
     jobs = [(c.cfg, circuits[key(c)][0], dict(n_examples=n_examples, damping=damping, max_iter=max_iter,
-                                              method=method, step_offset=offset(c))) for c in done]
+                                              method=method, step_offset=offset(c), tol=tol, curvature=curvature,
+                                              rel_damping=rel_damping))
+            for c in done]
     frames = []
     for c, df in zip(done, _cached_traces(store, jobs, workers)):
         if df.empty:
@@ -250,7 +264,7 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
     # ---- per (task column, path): the values at removal, over seeds
     rows = []
     for (col, row), g in all_.groupby(["col", "row"], sort=False):
-        at, track, res, tsec = [], [], [], []
+        at, track, res, tsec, conv, dcos = [], [], [], [], [], []
         for _, run in g.groupby("seed"):
             run = run.sort_values("step")
             before = run[run["step"] <= run["removal"].iloc[0]]
@@ -259,26 +273,37 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
             track.append(float(moving["tracking_cos"].mean()) if len(moving) else float("nan"))
             res += list(moving["rel_residual"])
             tsec += list(moving["seconds"])
+            conv += [bool(x) for x in moving["converged"]] if "converged" in moving else [False] * len(moving)
+            dcos += list(moving["damping_cos"]) if "damping_cos" in moving else []
         rows.append({"col": col, "row": row, "n": len(at), "metric": g["metric"].iloc[0],
                      "removal_step": int(at[0]["step"]),
                      "share": [float(r["share"]) for r in at], "control": [float(r["control_share"]) for r in at],
                      "other": [float(r["other_heads_share"]) for r in at],
                      "solution_cos": [float(r["solution_cos"]) for r in at], "tracking": track,
-                     "rel_residual": res, "seconds": tsec,
+                     "rel_residual": res, "seconds": tsec, "converged": conv, "damping_cos": dcos,
                      "zero": [float(v) for v in g.groupby("seed")["zero_metric"].first()]})
     lines = ["Continuation quantities (paper Section 3.3; `softprior.analysis.continuation`), at the last snapshot "
              "before the path removes the prior (fade S: S; hard switch at s: before s; forced_zero: init; posthoc: "
              "the unforced end; unforced: its end), mean ± std over seeds. share = ‖P_C ∇L(θ, 0)‖ / ‖∇L(θ, 0)‖ "
              "on the circuit's Q/K/V/O; controls: random coordinates of the same dimension, and as many heads "
              "outside the circuit. solution cos = cos(−∇L(θ, 0), θ_final − θ). tracking cos = cos(tangent × Δg, Δθ) "
-             "between snapshots, averaged over the intervals where the gate changes (– where it never does).", "",
+             "between snapshots, averaged over the intervals where the gate changes (– where it never does); the "
+             f"tangent solves ({'G' if curvature == 'ggn' else 'H'} + λI) t = −A_g, "
+             f"{'G the Gauss-Newton matrix' if curvature == 'ggn' else 'H the Hessian'}, "
+             + (f"λ = {damping:g}" if damping is not None else
+                f"λ = {rel_damping:g} × the snapshot's largest curvature on the Krylov space of A_g") + ", by "
+             f"{method.upper()} to a relative residual ≤ {tol:g} in ≤ {max_iter} products (docs/CONTINUATION.md); "
+             "converged = tangents that met it; damping cos = cos(t(λ), t(10λ)).", "",
              "| task | path | removal step | share | random control | other heads | solution cos | tracking cos "
-             "| MINRES rel. residual (median) | final zero-gate metric |", "|" + "---|" * 10]
+             f"| {method.upper()} rel. residual (median) | tangents converged | damping cos (median) "
+             "| final zero-gate metric |", "|" + "---|" * 12]
     for r in rows:
         med = sorted(x for x in r["rel_residual"] if math.isfinite(x))
+        dmed = sorted(x for x in r["damping_cos"] if math.isfinite(x))
         cells_ = [r["col"], r["row"], str(r["removal_step"]), _ms(r["share"]), _ms(r["control"]), _ms(r["other"]),
-                  _ms(r["solution_cos"]), _ms(r["tracking"]), f"{med[len(med) // 2]:.2f}" if med else "–",
-                  _ms(r["zero"])]
+                  _ms(r["solution_cos"]), _ms(r["tracking"]), f"{med[len(med) // 2]:.2g}" if med else "–",
+                  f"{sum(r['converged'])} of {len(r['converged'])}" if r["converged"] else "–",
+                  f"{dmed[len(dmed) // 2]:.3f}" if dmed else "–", _ms(r["zero"])]
         lines.append("| " + " | ".join(cells_) + " |")
     circ = sorted({(k[0], k[1], k[2], ", ".join(f"L{l}H{h}" for l, h in v[0]), v[1]) for k, v in circuits.items()})
     lines += ["", "Circuit heads C (zero-gate mean-ablation importance ≥ %.2f at the final weights of the run named):"
@@ -287,7 +312,7 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
     secs = [x for r in rows for x in r["seconds"]]
     if secs:
         lines += ["", f"Cost: {sum(secs) / len(secs):.2f} s per snapshot with a tangent ({len(secs)} snapshots; "
-                  f"{n_examples} examples, ≤ {max_iter} H-vector products), "
+                  f"{n_examples} examples, ≤ {max_iter} curvature-vector products), "
                   f"{float(all_[all_['tracking_cos'].isna()]['seconds'].mean()):.2f} s without."]
     lines += ["", _continuation_verdict(rows)]
     continuation_claims_table(rows).to_csv(out / "claims.csv", index=False, float_format="%.6g")
@@ -301,13 +326,24 @@ def continuation_claims_table(rows: list[dict]):
     std) like an experiment's table.csv: per path, "<task> share", "<task> solution cos", "<task>
     tracking cos" (at removal, over seeds); per accuracy task, row "all paths", column "<task>
     spearman(share, zero)": the rank correlation between the circuit share at removal and the final
-    zero-gate accuracy over the paths."""
+    zero-gate accuracy over the paths.
+
+    Where a row carries its tangents' ``converged`` flags: per path, "<task> tangents converged", the
+    fraction of the path's tangents (all seeds) that met the tolerance (empty without a tangent), and
+    "<task> tracking cos" is left empty (not measured) unless that fraction is 1: a cosine computed
+    from an unconverged tangent is no evidence either way, so a claim reading it is inconclusive."""
     import pandas as pd
     out = []
     for r in rows:
+        conv = r.get("converged")
         for key, col in (("share", "share"), ("solution_cos", "solution cos"), ("tracking", "tracking cos")):
             m, s = _mean_std(r[key])
+            if key == "tracking" and conv is not None and not all(conv):  # no evidence: empty
+                m = s = float("nan")
             out.append({"row": r["row"], "column": f"{r['col']} {col}", "mean": m, "std": s})
+        if conv is not None:
+            out.append({"row": r["row"], "column": f"{r['col']} tangents converged",
+                        "mean": sum(map(bool, conv)) / len(conv) if conv else float("nan"), "std": 0.0})
     for col in dict.fromkeys(r["col"] for r in rows if r["metric"] == "acc"):
         rs = [r for r in rows if r["col"] == col]
         rho = spearman([_mean_std(r["share"])[0] for r in rs], [_mean_std(r["zero"])[0] for r in rs])
@@ -336,13 +372,17 @@ def _continuation_verdict(rows: list[dict]) -> str:
                    f"accuracy over {len(rs)} paths; by share: "
                    + ", ".join(f"{r['row']} {mean(r['share']):.3f} (zero acc {mean(r['zero']):.3f})" for r in order)
                    + f"). The circuit's share exceeds the random-coordinate control on {above} of {len(rs)} paths.")
-        tr = {r["row"]: mean(r["tracking"]) for r in rs if math.isfinite(mean(r["tracking"]))}
-        fade = [v for k, v in tr.items() if k.startswith("fade")]
-        hard = [v for k, v in tr.items() if k.startswith("hard_switch")]
+        tr = {r["row"]: r for r in rs if math.isfinite(mean(r["tracking"]))}
+        fade = [r for k, r in tr.items() if k.startswith("fade")]
+        hard = [r for k, r in tr.items() if k.startswith("hard_switch")]
         if fade and hard:
+            f, h = mean(fade[0]["tracking"]), mean(hard[0]["tracking"])
+            conv = [bool(x) for r in (fade[0], hard[0]) for x in r.get("converged", [])]
+            bad = conv.count(False)
+            ans = (f"**inconclusive**: {bad} of {len(conv)} tangents did not converge to the solver's tolerance"
+                   if bad else f"**{'yes' if f > h else 'no'}**")
             out.append(f"Tracking: mean cosine between the optimum's tangent and the actual change over the gate's "
-                       f"move: fade {fade[0]:.3f}, hard switch {hard[0]:.3f} (a fade tracks the optimum more closely: "
-                       f"**{'yes' if fade[0] > hard[0] else 'no'}**).")
+                       f"move: fade {f:.3f}, hard switch {h:.3f} (a fade tracks the optimum more closely: {ans}).")
     fz = {r["col"]: r for r in rows if r["row"] == "forced_zero"}
     lin = [r for c, r in fz.items() if r["metric"] == "mse"]
     ref = [r for c, r in fz.items() if r["metric"] == "acc"]
