@@ -200,6 +200,8 @@ def test_train_bad_input(tmp_path, capsys, args, named):
     ("pos=-0.5", ["pos", "-0.5"]),
     ("pos=abc", ["abc"]),
     ("pos=0,content", ["content"]),
+    ("pos=0,pos=1", ["'pos' is given twice", "pos=0,pos=1"]),  # was accepted, the last one winning
+    ("content=", ["''", "content="]),
 ])
 def test_eval_bad_gates(trained, capsys, gates, named):
     store, s, _, _ = trained

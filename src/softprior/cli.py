@@ -58,8 +58,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _format_validation_error(e) -> str:
     parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if not isinstance(x, int) or True)
+    for err in e.errors():  # a field named as typed; one that is no identifier (an empty key) in quotes
+        loc = ".".join(str(x) if isinstance(x, int) or str(x).isidentifier() else repr(str(x))
+                       for x in err.get("loc", ()))
         parts.append(f"{loc or 'value'}: {err.get('msg')}" + (f" (got {err['input']!r})" if "input" in err and
                                                                 not isinstance(err["input"], dict) else ""))
     return "; ".join(parts)
@@ -77,15 +78,17 @@ def parse_gates(text: str | None) -> tuple:
         k, v = (s.strip() for s in item.split("=", 1))
         if k not in allowed:
             raise CliError(f"unknown gate {k!r} in --gates {text!r}; allowed: {', '.join(allowed)}")
+        if k in vals:
+            raise CliError(f"gate {k!r} is given twice in --gates {text!r}")
         if v in ("model", "learned"):
             vals[k] = None
             continue
         try:
             f = float(v)
         except ValueError:
-            raise CliError(f"gate value {v!r} for {k} is not a number in [0, 1] (or 'model')") from None
+            raise CliError(f"gate value {v!r} for {k} in --gates {text!r} is not a number in [0, 1] (or 'model')") from None
         if not 0.0 <= f <= 1.0:
-            raise CliError(f"gate value {f} for {k} must lie in [0, 1]")
+            raise CliError(f"gate value {f} for {k} in --gates {text!r} must lie in [0, 1]")
         vals[k] = f
     return vals.get("pos"), vals.get("content")
 
