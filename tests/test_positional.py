@@ -348,3 +348,35 @@ class _Pipeline(torch.nn.Module):
         emb = self.s.embed_positions(k.shape[-2])
         a = attend(self.s, q, k)
         return a if emb is None else a + emb.sum()
+
+
+def test_kerple_computes_in_the_models_dtype():
+    """In a float64 model both kernels are the formulas of Chi et al. 2022 in float64, worked out here
+    per entry: -r1 log(1 + r2 |i-j|) and -r1 |i-j|^r2 (the power kernel took log |i-j| in float32:
+    ~1e-3 off at T = 120). In float32 they stay float32."""
+    r1 = [0.7123456789012345, 1.3141592653589793, 0.0123456789, 1.9876543210987654]
+    r2 = [0.3333333333333333, 1.7182818284590452, 0.0501234567890123, 1.2345678901234567]
+    kernels = {"kerple_log": lambda a, c, d: -a * math.log(1 + c * d),
+               "kerple_power": lambda a, c, d: -a * d ** c if d else 0.0}
+    pos = torch.arange(120)
+    for name, kernel in kernels.items():
+        s = scheme(name).double()
+        with torch.no_grad():
+            s.r1.copy_(torch.tensor(r1, dtype=torch.float64)), s.r2.copy_(torch.tensor(r2, dtype=torch.float64))
+        b = s.bias(pos, pos)
+        want = torch.tensor([[[kernel(r1[h], r2[h], abs(i - j)) for j in range(120)] for i in range(120)]
+                             for h in range(4)], dtype=torch.float64)
+        assert b.dtype == torch.float64
+        assert torch.allclose(b, want, rtol=1e-13, atol=1e-13), (name, (b - want).abs().max().item())
+        assert scheme(name).bias(pos, pos).dtype == torch.float32
+
+
+def test_gpsa_computes_in_the_models_dtype():
+    """GPSA's positional scores w_h1 (i-j) + w_h2 (i-j)^2 in a float64 model (float32 offsets met float64
+    weights and raised)."""
+    s = scheme("gpsa").double()
+    w = s.pos_proj.weight.detach()
+    pos = torch.arange(40)
+    got = s.pos_scores(pos, pos)
+    d = (pos[:, None] - pos[None, :]).to(torch.float64)
+    assert got.dtype == torch.float64 and torch.equal(got, (w[:, 0, None, None] * d + w[:, 1, None, None] * d * d))

@@ -118,7 +118,8 @@ class _Kerple(AdditiveBias):
         return r1[:, None, None], r2[:, None, None]
 
     def _dist(self, qpos, kpos):
-        return _offsets(qpos, kpos).abs().to(torch.float32)
+        """|i - j| in the parameters' dtype (float32 in training, float64 in a float64 model)."""
+        return _offsets(qpos, kpos).abs().to(self.r1.dtype)
 
 
 class KerpleLog(_Kerple):
@@ -129,7 +130,11 @@ class KerpleLog(_Kerple):
     Init: r1 ~ U(0, 2), r2 ~ U(0, 1), per head. Both are clamped to >= 0.01 on every forward (the
     reference clamps ``.data`` in place; we clamp the value with a straight-through gradient, so the
     forward is identical and nothing is mutated).
-    Sharing: one (r1, r2) per head per layer, as the reference (one module per attention layer).
+    Sharing: one (r1, r2) per head per layer. This is our choice: chijames/KERPLE builds one
+    ``ParallelKerpleLog`` in ``GPT2ModelPipe.init_specs`` and hands it to every layer, so its (r1, r2)
+    are shared across layers (chuanyang-Zheng/DAPE builds one per attention layer); per layer matches
+    the model's per-layer B^pos and the other learned schemes here.
+    Dtype: computed in the parameters' dtype (float32 in training; float64 in a float64 model).
     Beyond the training length: a formula in |i - j|, so T = 120 continues the log decay with the
     learned r1, r2."""
 
@@ -147,7 +152,8 @@ class KerplePower(_Kerple):
     Init (the reference's ``bias_a``, ``bias_p``): multiplier r1 ~ U(0, 1), exponent r2 ~ U(0, 2);
     clamped on every forward to r1 >= 0.01 and 0.01 <= r2 <= 2 (straight-through, see ``KerpleLog``). |i - j|^r2 is computed as exp(r2 log|i - j|) off the
     diagonal and 0 on it, so the gradient in r2 stays finite at i = j.
-    Sharing: per head per layer, as the reference.
+    Sharing: per head per layer, our choice (chijames/KERPLE shares one module across layers; see
+    ``KerpleLog``). Dtype: the parameters' (``KerpleLog``).
     Beyond the training length: a formula in |i - j|; T = 120 continues the power law."""
 
     name = "kerple_power"

@@ -69,7 +69,8 @@ class DAPE(PositionalScheme):
     paper's headline configuration (DAPE-Kerple); its parameters belong to this instance.
     Init: f uses PyTorch's default Linear init (as the reference), so f adds a random
     content-dependent term from the first step (it is not zero-initialised).
-    Sharing: base and f per layer, as the reference (one module per attention layer).
+    Sharing: base and f per layer, as chuanyang-Zheng/DAPE (megatron/model/transformer.py builds one in
+    each attention layer; KERPLE's own code shares its kernel across layers, see ``KerpleLog``).
     Beyond the training length: B extrapolates as Kerple's formula; f sees (X, B) pairs, and at
     T = 120 B takes values more negative than any in training, so f is evaluated off its trained
     range (the paper's claim is that this adapts well)."""
@@ -123,7 +124,7 @@ class GPSA(PositionalScheme):
 
     def pos_scores(self, qpos, kpos) -> torch.Tensor:
         """Unmasked positional scores (H, Tq, T)."""
-        delta = _offsets(qpos, kpos).to(torch.float32)
+        delta = _offsets(qpos, kpos).to(self.pos_proj.weight.dtype)  # the model's dtype (float32 in training)
         feats = torch.stack([delta, delta * delta], dim=-1)  # (Tq, T, 2)
         return self.pos_proj(feats).permute(2, 0, 1)
 
