@@ -3,8 +3,8 @@ tangent's system"): the tangent the library returns at its defaults against a de
 same system on a tiny model, the Gauss-Newton product against a Jacobian built here, the damping
 pair, the convergence flag, and the report reading it.
 
-Every dense matrix here is built by the test itself (columns of products with the unit vectors, or
-torch.autograd.functional), in float64."""
+Every dense matrix here is built by the test itself (torch.autograd.functional on the model's
+loss), in float64."""
 
 import math
 
@@ -35,28 +35,40 @@ def tiny():
     return cfg, model, task, batch
 
 
-def _dense(product, n):
-    eye = torch.eye(n, dtype=torch.float64)
-    m = torch.stack([product(eye[i]) for i in range(n)])
-    return (m + m.T) / 2
-
-
 @pytest.fixture(scope="module")
 def dense(tiny):
-    """(H, G, A) at g = 0.5 along (1, 1): the Hessian by H-vector products with the unit vectors; G
-    from the Jacobian of the outputs and the Hessian of the loss in the outputs (autograd.functional,
-    independent of the library's Gauss-Newton product); A by autograd of dL/dg."""
+    """(H, G, A) at g = 0.5 on both gates, moved together, built here without the library: the loss
+    through ``functional_call`` on the flat parameters (all but the gate logits); H by
+    autograd.functional.hessian; G = J^T H_z J from the Jacobian of the outputs and the Hessian of the
+    loss in the outputs; A = d/dg grad_theta L by autograd of dL/dg (Schwarz)."""
+    from torch.func import functional_call
     _, model, task, batch = tiny
-    out_fn, out_loss, theta, _ = C.model_output(model, task, batch, gate=0.5)
-    n = theta.numel()
-    so = C.SecondOrder(lambda th, d: out_loss(out_fn(th, d)), theta, 0.0)
-    H = _dense(so.hvp, n)
+    named = [(n, p) for n, p in model.named_parameters() if n != "gate_logits"]
+    theta = torch.cat([p.detach().reshape(-1) for _, p in named])
+    L, H_ = model.cfg.n_layers, model.cfg.n_heads
+    pos = task.loss_positions(batch.inputs.shape[1])
+
+    def out_fn(th, d):
+        params, o = {}, 0
+        for n, p in named:
+            params[n] = th[o:o + p.numel()].view_as(p)
+            o += p.numel()
+        g = torch.full((L, H_), 0.5, dtype=torch.float64) + d
+        return functional_call(model, params, (batch.inputs,), dict(gate_pos=g, gate_content=g, positions=pos),
+                               strict=False)
+
+    def out_loss(z):
+        return task.loss(z, batch.targets)
     zero = torch.zeros((), dtype=torch.float64)
+    H = torch.autograd.functional.hessian(lambda th: out_loss(out_fn(th, zero)), theta)
     out0 = out_fn(theta, zero).detach()
     J = torch.autograd.functional.jacobian(lambda th: out_fn(th, zero).reshape(-1), theta)  # [m, n]
     Hz = torch.autograd.functional.hessian(lambda z: out_loss(z.view(out0.shape)), out0.reshape(-1))  # [m, m]
     G = J.T @ Hz @ J
-    return H, (G + G.T) / 2, so.mixed
+    th, d = theta.clone().requires_grad_(True), zero.clone().requires_grad_(True)
+    dl_dg = torch.autograd.grad(out_loss(out_fn(th, d)), d, create_graph=True)[0]
+    A = torch.autograd.grad(dl_dg, th)[0]
+    return (H + H.T) / 2, (G + G.T) / 2, A
 
 
 def _cos(a, b):
