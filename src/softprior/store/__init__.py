@@ -3,6 +3,7 @@
     STORE/index.sqlite            runs(run_id, status, task, path, seed, model, config, summary, error, ...)
                                   engine_errors(run_ids, error, ...): group engine exceptions, with traceback
                                   files(run_id, name, sha256, size): checksums of every file a run wrote
+                                  ledger(kind, name, seconds, flop, ...): the time ledger, append-only
     STORE/runs/RUN_ID/config.json
     STORE/runs/RUN_ID/metrics.jsonl
     STORE/runs/RUN_ID/final.safetensors      model weights (safetensors: never pickle)
@@ -115,6 +116,23 @@ class RunStore:
 
     def rows(self) -> list[dict]:
         return self.index.rows()
+
+    def record_timing(self, kind: str, name: str, seconds: float, flop: float = 0.0, runs: int = 0,
+                      started_at: float | None = None, host: str | None = None, code_version: str | None = None,
+                      gemm_gflops: float | None = None, detail: dict | None = None) -> None:
+        """Append a row to the time ledger (table ``ledger``, append-only): the wall ``seconds`` of a
+        ``kind`` = "job" (one run or a group trained together; a job resumed from checkpoints counts each
+        piece), "report" or "sweep" (one ``executors.execute`` call, the driver's whole wall time), the
+        ``flop`` it trained (``bench.train_step_flops`` x steps, summed over its ``runs``), when it
+        started (unix time), the host, the code version (``provenance.code_version``), the GEMM rate the
+        sweep measured (``bench.gemm_rate``, GFLOP/s), and a JSON-able ``detail`` (run ids, pieces, ...).
+        Written by the sweep driver alone (workers return their timing); ``softprior report timings``
+        reads it (``bench.ledger_summary``)."""
+        self.index.record_timing(kind, name, seconds, flop, runs, started_at, host, code_version, gemm_gflops, detail)
+
+    def ledger(self) -> list[dict]:
+        """The time ledger's rows, oldest first (``record_timing``'s fields, ``detail`` decoded)."""
+        return self.index.ledger()
 
     def _row(self, run_id: str):
         return self.index.row(run_id)

@@ -1,6 +1,7 @@
 """The run store's index: SQLite (WAL mode, busy timeout) holding each run's status, config,
 summary and error, the leases that keep two processes from training one run, the checksums of the
-files a finished run wrote, and group-engine failures. Nothing here reads or writes a run's files.
+files a finished run wrote, group-engine failures, and the time ledger (the wall time and FLOP of every
+job, report and sweep, append-only). Nothing here reads or writes a run's files.
 
 An index opened read-only (``RunIndex(..., read_only=True)``, and ``integrity.verify_store`` always)
 never writes: see ``connect_read_only``."""
@@ -20,7 +21,7 @@ from ..config import RunConfig
 from ..model import size_label
 from .errors import RunNotFoundError, StoreDamagedError, StoreError, StoreReadOnlyError
 
-__all__ = ["RunIndex", "STALE_SECONDS", "connect_read_only"]
+__all__ = ["RunIndex", "STALE_SECONDS", "LEDGER_KINDS", "connect_read_only"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -57,6 +58,24 @@ CREATE TRIGGER IF NOT EXISTS record_sightings_no_update BEFORE UPDATE ON record_
 BEGIN SELECT RAISE(ABORT, 'record_sightings is append-only'); END;
 CREATE TRIGGER IF NOT EXISTS record_sightings_no_delete BEFORE DELETE ON record_sightings
 BEGIN SELECT RAISE(ABORT, 'record_sightings is append-only'); END;
+CREATE TABLE IF NOT EXISTS ledger (  -- the time ledger (RunIndex.record_timing): append-only
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,              -- job (one run or a group trained together) | report | sweep
+    name TEXT NOT NULL,              -- a job's runs (task, model, path and seed of each), a report's experiment
+    seconds REAL NOT NULL,           -- wall time: a job resumed from checkpoints, the sum of its pieces
+    flop REAL NOT NULL,              -- FLOP trained (bench.train_step_flops x steps, over the runs); 0 for a report
+    runs INTEGER NOT NULL,           -- runs trained (a job) or read (a report)
+    started_at REAL NOT NULL,        -- unix time its first piece started
+    host TEXT,
+    code_version TEXT,               -- provenance.code_version of the code that ran it
+    gemm_gflops REAL,                -- the GEMM rate the sweep measured on its machine (bench.gemm_rate); NULL if none
+    detail TEXT,                     -- JSON: run_ids, pieces [[started_at, seconds], ...], steps, status, threads, ...
+    created REAL
+);
+CREATE TRIGGER IF NOT EXISTS ledger_no_update BEFORE UPDATE ON ledger
+BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS ledger_no_delete BEFORE DELETE ON ledger
+BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END;
 """
 
 
@@ -71,6 +90,7 @@ def _add_record_column(db) -> None:
                 raise
 
 
+LEDGER_KINDS = ("job", "report", "sweep")  # the time ledger's rows (``RunIndex.record_timing``)
 STALE_SECONDS = 6 * 3600.0  # a 'running' claim from another host without a heartbeat for this long is void
 
 
@@ -311,6 +331,30 @@ class RunIndex:
             db.executemany("INSERT OR IGNORE INTO record_sightings(hash, first_seen, source) VALUES(?, ?, ?)",
                            [(h, now, src) for h, src in sources.items()])
         return self.record_sightings()
+
+    # ------------------------------------------------------------------ the time ledger
+    def record_timing(self, kind: str, name: str, seconds: float, flop: float = 0.0, runs: int = 0,
+                      started_at: float | None = None, host: str | None = None, code_version: str | None = None,
+                      gemm_gflops: float | None = None, detail: dict | None = None) -> None:
+        """Append one row to the time ledger (never updated nor deleted: see ``ledger``)."""
+        if kind not in LEDGER_KINDS:
+            raise ValueError(f"unknown ledger kind {kind!r}; allowed: {', '.join(LEDGER_KINDS)}")
+        now = time.time()
+        with self._connect(write=True) as db:
+            db.execute("INSERT INTO ledger(kind, name, seconds, flop, runs, started_at, host, code_version, gemm_gflops,"
+                       " detail, created) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (kind, name, float(seconds), float(flop), int(runs), now - seconds if started_at is None
+                        else float(started_at), host or socket.gethostname(), code_version,
+                        None if gemm_gflops is None else float(gemm_gflops), json.dumps(detail or {}), now))
+
+    def ledger(self) -> list[dict]:
+        """The time ledger's rows, oldest first, ``detail`` decoded (empty for an index written before the
+        store kept one: a read-only one is not given the table)."""
+        with self._connect() as db:
+            if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ledger'").fetchone() is None:
+                return []
+            rows = db.execute("SELECT * FROM ledger ORDER BY id").fetchall()
+        return [{**dict(r), "detail": json.loads(r["detail"] or "{}")} for r in rows]
 
     def started(self, run_ids: list[str]) -> dict[str, float]:
         """Run id -> when its row was created (its first claim), for those of ``run_ids`` in the index."""
