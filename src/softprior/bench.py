@@ -14,7 +14,7 @@ import time
 
 import torch
 
-__all__ = ["run_bench", "train_step_flops"]
+__all__ = ["run_bench", "train_step_flops", "gemm_rate", "ledger_summary", "format_timings"]
 
 
 def _gemm_gflops(n: int = 1024, reps: int = 10) -> float:
@@ -27,6 +27,131 @@ def _gemm_gflops(n: int = 1024, reps: int = 10) -> float:
         a @ b
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
+
+
+def gemm_rate(threads: int | None = None, n: int = 1024, reps: int = 10) -> float:
+    """The machine's fp32 GEMM rate in GFLOP/s, as ``softprior bench`` measures it: the fastest of
+    ``reps`` n^3 matmuls (after 3 warm-ups) at ``threads`` torch threads (default: every core this
+    process may use, the rate of docs/PERFORMANCE.md's arithmetic floor). The matrices come from a
+    generator of its own (the global RNG is left alone) and the thread count is restored."""
+    import os
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+        for _ in range(3):
+            a @ b
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        return 2 * n ** 3 / best / 1e9
+    finally:
+        torch.set_num_threads(old)
+
+
+def _union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The wall time covered by (start, seconds) intervals: overlapping ones (concurrent jobs) count
+    once, disjoint ones (pieces on different days) add; a lone interval counts its own seconds."""
+    total, cluster = 0.0, None  # [start, end, seconds if alone else None]
+    for start, sec in sorted(intervals):
+        if cluster is not None and start < cluster[1]:
+            cluster = [cluster[0], max(cluster[1], start + sec), None]
+            continue
+        if cluster is not None:
+            total += cluster[2] if cluster[2] is not None else cluster[1] - cluster[0]
+        cluster = [start, start + sec, sec]
+    if cluster is not None:
+        total += cluster[2] if cluster[2] is not None else cluster[1] - cluster[0]
+    return total
+
+
+def ledger_summary(rows: list[dict], code_version: str | None = None, rate: float | None = None,
+                   top: int = 10) -> dict:
+    """What ``softprior report timings`` prints, from a store's time ledger (``RunStore.ledger``).
+
+    ``code_version``: count only the rows of that code (``provenance.code_version``; None: all).
+    The paper's time (``wall_seconds``) is the wall time the counted rows cover: the union of every
+    job's pieces, report and sweep, so pieces run on different days add up and jobs that ran at once
+    (``--workers 2``) count once; ``job_seconds`` is their plain sum (worker-seconds). The floor is
+    the FLOP trained at the GEMM rate ``rate`` (GFLOP/s; default: the fastest the ledger's sweeps
+    measured, else ``gemm_rate()`` now), and ``ratio`` = wall_seconds / floor_seconds."""
+    counted = [r for r in rows if code_version is None or r.get("code_version") == code_version]
+    others = sorted({r.get("code_version") or "?" for r in rows
+                     if code_version is not None and r.get("code_version") != code_version})
+    jobs = [r for r in counted if r["kind"] == "job"]
+    intervals = []
+    for r in counted:
+        pieces = r["detail"].get("pieces") if r["kind"] == "job" else None
+        intervals += [(float(a), float(b)) for a, b in pieces] if pieces else [(r["started_at"], r["seconds"])]
+    flop = sum(r["flop"] for r in jobs)
+    if rate is not None:
+        source = "given (--gemm-rate)"
+    elif any(r.get("gemm_gflops") for r in counted):
+        rate, source = max(r["gemm_gflops"] for r in counted if r.get("gemm_gflops")), \
+            "the fastest the sweeps measured (recorded in the ledger)"
+    else:
+        rate, source = gemm_rate(), "measured now (the ledger records none)"
+    wall = _union_seconds(intervals)
+    floor = flop / (rate * 1e9)
+    per_kind = {k: float(sum(r["seconds"] for r in counted if r["kind"] == k)) for k in ("job", "report", "sweep")}
+    cells = [{"name": r["name"], "runs": r["runs"], "steps": r["detail"].get("steps"), "seconds": r["seconds"],
+              "flop": r["flop"], "gflops": r["flop"] / r["seconds"] / 1e9 if r["seconds"] > 0 else None,
+              "pieces": len(r["detail"].get("pieces") or [()]), "status": r["detail"].get("status", "ok"),
+              "host": r["host"], "started_at": r["started_at"], "code_version": r.get("code_version")}
+             for r in sorted(jobs, key=lambda r: r["seconds"], reverse=True)[:top]]
+    return {"code_version": code_version or "all", "rows": len(counted), "rows_other_versions": len(rows) - len(counted),
+            "other_versions": others, "jobs": len(jobs), "reports": sum(r["kind"] == "report" for r in counted),
+            "sweeps": sum(r["kind"] == "sweep" for r in counted), "runs": sum(r["runs"] for r in jobs),
+            "run_steps": sum(r["detail"].get("steps") or 0 for r in jobs), "wall_seconds": wall,
+            "job_seconds": per_kind["job"], "report_seconds": per_kind["report"], "sweep_seconds": per_kind["sweep"],
+            "flop": flop, "gemm_gflops": rate, "gemm_source": source, "floor_seconds": floor,
+            "ratio": wall / floor if floor > 0 else None, "costliest": cells}
+
+
+def _secs(x: float) -> str:
+    """Seconds as '3.21 s', '95.0 s (1m35s)', '5012 s (1h23m32s)'."""
+    text = f"{x:.3g} s" if x < 10 else f"{x:,.1f} s" if x < 1e4 else f"{x:,.0f} s"
+    s = int(round(x))
+    if s < 60:
+        return text
+    return text + (f" ({s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s)" if s >= 3600 else f" ({s // 60}m{s % 60:02d}s)")
+
+
+def _n(k: int, word: str) -> str:
+    return f"{k} {word}" + ("" if k == 1 else "s")
+
+
+def format_timings(t: dict) -> str:
+    """``ledger_summary``'s dict as the text of ``softprior report timings``."""
+    if not t["rows"]:
+        extra = (f"; {t['rows_other_versions']} rows of other code versions ({', '.join(t['other_versions'])}): "
+                 "--all-versions counts them") if t["rows_other_versions"] else ""
+        return f"the time ledger has no rows of code version {t['code_version']}{extra}"
+    head = (f"code version {t['code_version']}" + (f" ({t['rows_other_versions']} rows of other versions left out: "
+                                                   "--all-versions counts them)" if t["rows_other_versions"] else ""))
+    ratio = f"{t['ratio']:.2f}x the floor" if t["ratio"] is not None else "no FLOP trained"
+    lines = [f"time ledger, {head}",
+             f"paper's time: {_secs(t['wall_seconds'])} wall, {ratio}: the time covered by {_n(t['jobs'], 'job')}, "
+             f"{_n(t['reports'], 'report')} and {_n(t['sweeps'], 'sweep')} (pieces on different days add, jobs that "
+             "ran at once count once)",
+             f"  sums: jobs {_secs(t['job_seconds'])} ({t['runs']} runs, {t['run_steps']:,} run-steps; worker-seconds), "
+             f"reports {_secs(t['report_seconds'])}, sweeps {_secs(t['sweep_seconds'])}",
+             f"training: {t['flop'] / 1e12:.4g} TFLOP (bench.train_step_flops x steps)",
+             f"floor: {_secs(t['floor_seconds'])}: that FLOP at {t['gemm_gflops']:.1f} GFLOP/s, {t['gemm_source']}"]
+    if t["costliest"]:
+        lines += ["", f"the {len(t['costliest'])} costliest jobs:", "| job | runs | run-steps | seconds | GFLOP | "
+                  "GFLOP/s | pieces |", "|---|---|---|---|---|---|---|"]
+        for c in t["costliest"]:
+            name = c["name"] if len(c["name"]) <= 70 else c["name"][:67] + "..."
+            rate = f"{c['gflops']:.1f}" if c["gflops"] is not None else "-"
+            lines.append(f"| {name}{'' if c['status'] == 'ok' else ' (' + c['status'] + ')'} | {c['runs']} | "
+                         f"{c['steps'] or 0:,} | {c['seconds']:.1f} | {c['flop'] / 1e9:,.1f} | {rate} | {c['pieces']} |")
+    return "\n".join(lines)
 
 
 def train_step_flops(cfg) -> float:
