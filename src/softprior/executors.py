@@ -15,6 +15,11 @@ remote Ray cluster, which may not see the store's files), and the next sweep kee
 group together and resumes it bit-identically. Workers write only these scratch files; the driver
 alone writes results and the index.
 
+The time ledger: each job returns its wall time (``JobResult.timing``; a resumed job's earlier pieces
+ride in its checkpoint's metadata), and the driver appends a row per job, with the FLOP it trained
+(``bench.train_step_flops`` x steps), and one per sweep to the store's ledger (``RunStore.record_timing``;
+``softprior report timings`` reads it). Timing only: no run's numbers change.
+
 Progress (``_Progress``): one bar in run-steps (a group of K runs of S steps is K x S), with the runs
 finished and an ETA from the step rate measured over the last ``RATE_SECONDS`` (weighted by each
 job's cost per step, ``_job_cost``, so a sweep that starts with its large-model groups does not
@@ -113,6 +118,10 @@ class JobResult:
     raised: 'Type: message' followed by the traceback), and the driver then retrains the runs alone."""
     outs: list = field(default_factory=list)
     engine_error: str | None = None
+    # the job's wall time, measured where it ran (``work``): {"pieces": [[unix start, seconds], ...] (the
+    # pieces before a resume, up to the checkpoint it resumed from, then this one), "from_step": the step
+    # the first piece started at, "threads", "host"}; the driver writes it to the store's ledger
+    timing: dict | None = None
 
 
 # ------------------------------------------------------------------------------------ pure work
@@ -151,21 +160,64 @@ def work(cfgs: list[RunConfig], init_states: list | None = None, threads: int | 
     ``checkpoint_seconds`` of training. A group whose engine raises returns the exception and its
     traceback (``JobResult.engine_error``), not results: the driver records it, then retrains.
     ``report``: called as ``report(step, True)`` with the step it starts (resumes) at, then
-    ``report(step)`` every ``report_seconds`` (default ``PROGRESS_SECONDS``) while it trains (``_Reporter``)."""
+    ``report(step)`` every ``report_seconds`` (default ``PROGRESS_SECONDS``) while it trains (``_Reporter``).
+    The job's wall time comes back with it (``JobResult.timing``, ``_PieceClock``) for the store's ledger."""
+    started, t0 = time.time(), time.perf_counter()
     if threads:
         _set_threads(threads)
-    from . import engine
-    from .train import train
-    ck = {}
+    ck, clock = {}, _PieceClock(started, t0)
     if checkpoints is not None:
         from .store.files import RunFiles
         files, rids = RunFiles(Path(checkpoints)), [c.run_id for c in cfgs]
         if len(cfgs) == 1:
-            ck = {"resume": files.load_checkpoint(rids[0]), "on_checkpoint": lambda c: files.save_checkpoint(rids[0], c)}
+            ck = {"resume": files.load_checkpoint(rids[0]),
+                  "on_checkpoint": lambda c: files.save_checkpoint(rids[0], clock.stamp(c))}
         else:
             ck = {"resume": files.load_group_checkpoint(rids),
-                  "on_checkpoint": lambda c: files.save_group_checkpoint(rids, c)}
+                  "on_checkpoint": lambda c: files.save_group_checkpoint(rids, clock.stamp(c))}
         ck["checkpoint_seconds"] = checkpoint_seconds
+        clock.resumed(ck["resume"])
+    job = _work(cfgs, init_states, ck, progress, report, checkpoint_seconds, report_seconds)
+    job.timing = clock.timing()
+    return job
+
+
+class _PieceClock:
+    """A job's wall time, in pieces: a job resumed from a checkpoint carries the pieces before it in the
+    checkpoint's metadata (``meta["ledger"]``: stamped on every checkpoint it writes; nothing the
+    training reads), so a sweep killed and resumed counts the time of each piece up to the checkpoint
+    the next one resumed from. Timing only: no run's numbers change."""
+
+    def __init__(self, started: float, t0: float):
+        self.started, self.t0, self.carried, self.from_step = started, t0, [], 0
+
+    def resumed(self, ckpt: dict | None) -> None:
+        if ckpt is None:
+            return
+        led = ckpt["meta"].get("ledger")
+        if isinstance(led, dict) and isinstance(led.get("pieces"), list):
+            self.carried, self.from_step = [list(p) for p in led["pieces"]], int(led.get("from_step", 0))
+        else:  # a checkpoint without a ledger (``softprior train --checkpoint-every``): the steps before it untimed
+            self.from_step = int(ckpt["meta"]["step"])
+
+    def pieces(self) -> list[list[float]]:
+        return self.carried + [[self.started, time.perf_counter() - self.t0]]
+
+    def stamp(self, ckpt: dict) -> dict:
+        ckpt["meta"]["ledger"] = {"pieces": self.pieces(), "from_step": self.from_step}
+        return ckpt
+
+    def timing(self) -> dict:
+        import socket
+
+        import torch
+        return {"pieces": self.pieces(), "from_step": self.from_step, "threads": torch.get_num_threads(),
+                "host": socket.gethostname()}
+
+
+def _work(cfgs, init_states, ck, progress, report, checkpoint_seconds, report_seconds) -> JobResult:
+    from . import engine
+    from .train import train
     if report is not None and not (len(cfgs) > 1 and cfgs[0].snapshot_every):  # (a group keeps no snapshots)
         report(ck["resume"]["meta"]["step"] if ck.get("resume") else 0, True)
         save = ck.get("on_checkpoint")
@@ -594,7 +646,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     ``SWEEP_CHECKPOINT_SECONDS``); a killed sweep's next run resumes from there.
     ``require_calibration``: refuse (``CalibrationMissing``) before training anything when a
     prediction row to be trained has no pre-registered calibration record (calibration/record.py)."""
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     if executor not in ("local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; allowed: local, ray")
     if workers < 1:
@@ -606,6 +658,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
         check_calibrated(todo, store.root)
     report = SweepReport(total=len(cfgs))
     report.skipped = len(cfgs) - len(todo)
+    gemm = _ledger_gemm_rate() if todo else None  # for the time ledger, before any worker starts
     # derived runs need their parents: parents form the first phase
     parents = _unique([c.parent() for c in cfgs if c.parent() is not None])
     phases = [[p for p in parents if p.run_id not in {c.run_id for c in cfgs}], [c for c in cfgs if c.parent() is None],
@@ -623,7 +676,8 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     else:
         backend = _Serial(ck, checkpoint_seconds, progress, sweep)
     failed_ids: set[str] = set()
-    collect = functools.partial(_collect, backend, store, report, failed_ids, sweep, on_result)
+    ledger = _Ledger(store, ("ray" if executor == "ray" else "pool" if workers > 1 else "serial"), workers, gemm)
+    collect = functools.partial(_collect, backend, store, report, failed_ids, sweep, on_result, ledger)
     try:
         for phase in phases:
             if sweep is not None:  # finished meanwhile by another process
@@ -687,7 +741,80 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
         if sweep is not None:
             sweep.close()
     report.seconds = time.perf_counter() - t0
+    if ledger.jobs:  # the driver's whole wall time, over its jobs (start-up, claims, writing results)
+        ledger.write("sweep", f"sweep of {len(cfgs)} runs: {report.trained} trained, {report.skipped} already done",
+                     report.seconds, runs=report.trained, started_at=started,
+                     detail={"total": len(cfgs), "trained": report.trained, "skipped": report.skipped,
+                             "failed": len(report.failed), "jobs": ledger.jobs,
+                             "group_size": group_size if isinstance(group_size, (int, str)) else dict(group_size)})
     return report
+
+
+def _ledger_gemm_rate() -> float | None:
+    """The GEMM rate (GFLOP/s) a sweep records in the ledger beside its jobs: ``$SOFTPRIOR_GEMM_GFLOPS``
+    if set, else ``bench.gemm_rate()`` measured once per process, before the sweep's workers start."""
+    global _GEMM_RATE
+    env = os.environ.get("SOFTPRIOR_GEMM_GFLOPS")
+    if env:
+        return float(env)
+    if _GEMM_RATE is None:
+        from .bench import gemm_rate
+        _GEMM_RATE = gemm_rate()
+    return _GEMM_RATE
+
+
+_GEMM_RATE: float | None = None
+
+
+class _Ledger:
+    """Writes a sweep's rows to the store's time ledger (``RunStore.record_timing``), from the driver
+    alone: each job's wall time (``JobResult.timing``, measured where it ran), the FLOP it trained
+    (``bench.train_step_flops`` x the steps its pieces trained, over the runs that finished), the code
+    version (``provenance.code_version``) and the sweep's GEMM rate. Timing only: a row that cannot be
+    written is reported on stderr, and the sweep goes on."""
+
+    def __init__(self, store, executor: str, workers: int, gemm: float | None):
+        self.store, self.executor, self.workers, self.gemm, self.jobs = store, executor, workers, gemm, 0
+        self._version = None
+
+    def version(self, summary: dict | None = None) -> str:
+        from .provenance import code_version, provenance
+        if summary and "softprior_version" in summary:
+            return code_version(summary)
+        if self._version is None:
+            self._version = code_version(provenance())
+        return self._version
+
+    def job(self, cfgs: list[RunConfig], job: JobResult) -> None:
+        if job.timing is None:  # a worker that crashed (or an older worker) returned no timing
+            return
+        from .bench import train_step_flops
+        from .model import size_label
+        t = job.timing
+        steps = {c.run_id: c.total_steps - t["from_step"] for c in cfgs}
+        ok = [c for c, (res, _) in zip(cfgs, job.outs) if res is not None]
+        flop = sum(train_step_flops(c) * steps[c.run_id] for c in ok)
+        status = "engine_error" if job.engine_error is not None else "ok" if len(ok) == len(cfgs) else "failed"
+        c0 = cfgs[0]
+        name = f"{c0.task.name}/{size_label(c0.model)} " + (f"{c0.path.name} s{c0.seed}" if len(cfgs) == 1 else
+                                                          f"x{len(cfgs)}: " + ", ".join(f"{c.path.name} s{c.seed}" for c in cfgs))
+        summary = next((res.summary for res, _ in job.outs if res is not None), None)
+        self.jobs += 1
+        self.write("job", name, sum(sec for _, sec in t["pieces"]), flop, len(ok), t["pieces"][0][0], t.get("host"),
+                   self.version(summary), {"run_ids": [c.run_id for c in cfgs], "pieces": t["pieces"],
+                                           "steps": sum(steps[c.run_id] for c in ok), "from_step": t["from_step"],
+                                           "status": status, "threads": t.get("threads"), "executor": self.executor,
+                                           "workers": self.workers})
+
+    def write(self, kind: str, name: str, seconds: float, flop: float = 0.0, runs: int = 0,
+              started_at: float | None = None, host: str | None = None, version: str | None = None,
+              detail: dict | None = None) -> None:
+        from .store import StoreError
+        try:
+            self.store.record_timing(kind, name, seconds, flop, runs, started_at, host, version or self.version(),
+                                     self.gemm, detail)
+        except StoreError as e:
+            print(f"softprior: the time ledger could not record {kind} {name!r}: {e}", file=sys.stderr)
 
 
 def _submit(backend, sweep: _Progress | None, cfgs: list[RunConfig], inits) -> None:
@@ -703,13 +830,15 @@ def _sleep(seconds: float, sweep: _Progress | None) -> None:
             sweep.tick()
 
 
-def _collect(backend, store, report, failed_ids, sweep, on_result):
+def _collect(backend, store, report, failed_ids, sweep, on_result, ledger=None):
     poll = (lambda: sweep.tick(backend.drain())) if sweep is not None else None
     cfgs, inits, job = backend.next_done(poll)
     if sweep is not None:
         sweep.tick(backend.drain())
     store.heartbeat()  # the sweep's other claims stay alive while it works (another host's expire in 6 h)
     store.files.drop_checkpoint(cfgs[0].run_id)  # a group's checkpoint (kept in its first run's directory)
+    if ledger is not None and job.engine_error is not None:
+        ledger.job(cfgs, job)
     if job.engine_error is not None:
         # record and report the engine's exception first, then fall back to one run per job
         rids = [c.run_id for c in cfgs]
@@ -734,5 +863,7 @@ def _collect(backend, store, report, failed_ids, sweep, on_result):
             failed_ids.add(c.run_id)
             if on_result:
                 on_result(c, None, err)
+    if ledger is not None:
+        ledger.job(cfgs, job)
     if sweep is not None:
         sweep.ended(cfgs, job.outs)
