@@ -158,10 +158,25 @@ def _check_outputs(args, default_out: str) -> None:
     _doc_file(getattr(args, "readme", None), "--readme")
 
 
+def _record_report(store, name: str, started: float, seconds: float, runs: int) -> None:
+    """A report's wall time in the store's time ledger (``report timings``), where the store can be
+    written (``reproduce``; ``report`` only reads it)."""
+    if store.read_only:
+        return
+    from .provenance import code_version, provenance
+    from .store import StoreError
+    try:
+        store.record_timing("report", name, seconds, 0.0, runs, started, code_version=code_version(provenance()))
+    except StoreError as e:
+        print(f"softprior: the time ledger could not record report {name!r}: {e}", file=sys.stderr)
+
+
 def _write_report(args, exp, cells, store) -> None:
     from .report import splice_into_doc, write_report
     out = args.out or f"results/{exp.name}"
+    started, t0 = time.time(), time.perf_counter()
     md = write_report(store, exp, cells, out)
+    _record_report(store, exp.name, started, time.perf_counter() - t0, len(cells))
     if args.doc:
         splice_into_doc(args.doc, exp.name, md)
     print(md)
@@ -328,9 +343,12 @@ def _paper(args, train: bool) -> int:
                          address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
         print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         failed = len(report.failed)
-    write_reports(store, exps, out, opts=opts, workers=args.workers, plugins=args.plugin or ())
+    write_reports(store, exps, out, opts=opts, workers=args.workers, plugins=args.plugin or (),
+                  on_report=lambda *a: _record_report(store, *a))
     doc = args.doc or str(out / "RESULTS.md")
+    started, t0 = time.time(), time.perf_counter()
     write_results_doc(out, doc, names=[e.name for e, _ in exps])
+    _record_report(store, "RESULTS.md", started, time.perf_counter() - t0, 0)
     if args.readme:  # the verdicts at a glance, generated from the same tables
         from .paper import load_tables, verdict_summary
         from .report import splice_into_doc
@@ -455,9 +473,29 @@ def cmd_calibrate(args) -> int:
 def cmd_report(args) -> int:
     if args.name == "paper":
         return _paper(args, train=False)
+    if args.name == "timings":
+        return cmd_report_timings(args)
     exp, cells = _experiment(args)
     _check_outputs(args, f"results/{exp.name}")
     _write_report(args, exp, cells, _store(args, read_only=True))
+    return 0
+
+
+def cmd_report_timings(args) -> int:
+    """``report timings``: the store's time ledger (``bench.ledger_summary``): the paper's wall time, its
+    FLOP, the floor at the GEMM rate and the ratio, and the costliest jobs; by default only the rows of
+    the code version this checkout is (``provenance.code_version``), all with --all-versions."""
+    if args.gemm_rate is not None and not args.gemm_rate > 0:
+        raise CliError(f"--gemm-rate must be a positive number of GFLOP/s, got {args.gemm_rate}")
+    if args.top < 0:
+        raise CliError(f"--top must be >= 0, got {args.top}")
+    from .bench import format_timings, ledger_summary
+    from .provenance import code_version, provenance
+    rows = _store(args, read_only=True).ledger()
+    t = ledger_summary(rows, None if args.all_versions else code_version(provenance()), rate=args.gemm_rate,
+                       top=args.top)
+    t["store"] = str(args.store)
+    print(json.dumps(t, sort_keys=True) if args.json else format_timings(t))
     return 0
 
 
@@ -583,7 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, hlp in (("reproduce", cmd_reproduce, "run an experiment's missing runs, then tabulate and plot it"),
                           ("report", cmd_report, "rebuild an experiment's table and figures from the store")):
         r = sub.add_parser(name, help=hlp)
-        r.add_argument("name", help="an experiment (see `softprior experiments`), or 'paper' for all of them")
+        r.add_argument("name", help="an experiment (see `softprior experiments`), or 'paper' for all of them"
+                       + (", or 'timings': the store's time ledger (wall time, FLOP, the floor)" if name == "report"
+                          else ""))
         r.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: the paper's)")
         r.add_argument("--tasks", default=None, help="comma-separated task filter (static_baselines)")
         r.add_argument("--store", default="runs")
@@ -595,6 +635,13 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--readme", default=None, help="paper only: also splice the verdict summary into this file")
         r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray); "
                        "for 'paper' also the processes that write the reports")
+        if name == "report":  # report timings
+            r.add_argument("--json", action="store_true", help="timings: print one JSON object")
+            r.add_argument("--gemm-rate", type=float, default=None, metavar="GFLOPS", help="timings: the GEMM rate "
+                           "of the floor (default: the fastest the ledger's sweeps measured, else measured now)")
+            r.add_argument("--all-versions", action="store_true", help="timings: count the rows of every code "
+                           "version (default: only this checkout's, provenance.code_version)")
+            r.add_argument("--top", type=int, default=10, help="timings: the costliest jobs listed")
         if name == "reproduce":
             r.add_argument("--executor", default="local", choices=["local", "ray"])
             r.add_argument("--group", type=_group_arg, default="auto", help="runs trained together in one "

@@ -415,17 +415,24 @@ def paper_cells(opts, names=None):
     return [(get_experiment(n), get_experiment(n).build(opts)) for n in (names or (PAPER + OURS))]
 
 
-def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=()) -> None:
+def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=(), on_report=None) -> None:
     """Every experiment's report (``report.write_report``) under ``out/NAME``. With ``workers`` > 1 in
     a process pool (spawn), the costliest first (the mechanism and continuation analyses of snapshot
     runs: half an hour of a whole-paper report on one core), each worker with its share of the cores.
     A report is a function of the store alone, so the files are the same either way. ``opts`` (the
-    ``experiments.Options`` the cells were built with) and ``plugins`` rebuild the cells in a worker."""
+    ``experiments.Options`` the cells were built with) and ``plugins`` rebuild the cells in a worker.
+    ``on_report(name, started_at, seconds, runs)``: called as each report is written, with its wall time
+    (measured where it ran; the store's time ledger)."""
+    import time
+
     from .report import write_report
     out = Path(out)
     if workers <= 1 or len(exps) <= 1:
         for exp, cells in exps:
+            started, t0 = time.time(), time.perf_counter()
             write_report(store, exp, cells, out / exp.name)
+            if on_report is not None:
+                on_report(exp.name, started, time.perf_counter() - t0, len(cells))
         return
     import multiprocessing as mp
     import os
@@ -433,10 +440,12 @@ def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=()) -> No
     threads = max(1, (os.cpu_count() or 1) // workers)
     order = sorted(exps, key=lambda e: _report_cost(e[1]), reverse=True)
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(_report_one, str(store.root), exp.name, opts, tuple(plugins), str(out / exp.name), threads)
-                for exp, _ in order]
+        futs = {ex.submit(_report_one, str(store.root), exp.name, opts, tuple(plugins), str(out / exp.name), threads):
+                (exp.name, len(cells)) for exp, cells in order}
         for f in as_completed(futs):
-            f.result()  # a report's exception reaches the caller
+            started, seconds = f.result()  # a report's exception reaches the caller
+            if on_report is not None:
+                on_report(futs[f][0], started, seconds, futs[f][1])
 
 
 def _report_cost(cells) -> float:
@@ -446,7 +455,10 @@ def _report_cost(cells) -> float:
                for c in cells if c.cfg.snapshot_every) + len(cells)
 
 
-def _report_one(root: str, name: str, opts, plugins: tuple, out_dir: str, threads: int) -> None:
+def _report_one(root: str, name: str, opts, plugins: tuple, out_dir: str, threads: int) -> tuple[float, float]:
+    """Write one report in a worker; returns (unix start, wall seconds) for the time ledger."""
+    import time
+    started, t0 = time.time(), time.perf_counter()
     import torch
 
     from .experiments import get_experiment, load_plugin
@@ -457,3 +469,4 @@ def _report_one(root: str, name: str, opts, plugins: tuple, out_dir: str, thread
         load_plugin(f)
     exp = get_experiment(name)
     write_report(RunStore(root), exp, exp.build(opts), out_dir)
+    return started, time.perf_counter() - t0
