@@ -1,0 +1,194 @@
+"""The time ledger (issue 29, item 1): every job of a sweep, every report and every sweep leaves a row
+in the store (wall time, FLOP trained, code version), and `softprior report timings` sums them
+against the arithmetic floor. No wall-clock thresholds: only what the rows must say of each other."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+import torch
+
+from softprior.cli import _record_report, main
+from softprior.executors import execute
+from softprior.provenance import code_version, provenance
+from softprior.store import RunStore
+from softprior.tasks import make_task
+
+from conftest import tiny_config
+
+STEPS = 12
+
+
+def _by_hand_flops(cfg) -> float:
+    """Matmul FLOPs of one training step, counted here from the shapes (forward x 3; the last layer
+    at the loss positions only), the count ``bench.train_step_flops`` documents."""
+    m, B, T = cfg.model, cfg.batch_size, cfg.model.n_ctx
+    P = len(make_task(cfg.task).loss_positions(T))
+    fwd = 2 * B * P * m.d_model * m.vocab  # tied unembedding
+    for layer in range(m.n_layers):
+        Tq = P if layer == m.n_layers - 1 else T
+        proj = 2 * B * (T * m.d_model * (2 * m.d_model + m.n_heads * m.content_rank)
+                        + Tq * m.d_model * (m.d_model + m.n_heads * m.content_rank) + Tq * m.d_model * m.d_model)
+        attn = 2 * B * m.n_heads * Tq * T * (2 * m.d_head + m.content_rank)
+        fwd += proj + attn
+    return 3 * fwd
+
+
+def _cfgs():
+    return [tiny_config(path=p, seed=s, steps=STEPS) for s, p in enumerate(["unforced", "fade600", "unforced"])]
+
+
+def _jobs(store):
+    return [r for r in store.ledger() if r["kind"] == "job"]
+
+
+def _timings(capsys, store_dir, *flags) -> dict:
+    capsys.readouterr()
+    assert main(["report", "timings", "--store", str(store_dir), "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_sweep_writes_one_row_per_job_with_its_seconds_and_flop(tmp_path):
+    cfgs = _cfgs()
+    store = RunStore(tmp_path / "s")
+    rep = execute(cfgs, store, group_size=2, progress=False, require_calibration=False)
+    assert rep.ok and rep.trained == 3
+    jobs, by_id = _jobs(store), {c.run_id: c for c in cfgs}
+    assert sorted(len(r["detail"]["run_ids"]) for r in jobs) == [1, 2]  # a group of two and a run alone
+    assert sorted(i for r in jobs for i in r["detail"]["run_ids"]) == sorted(by_id)
+    version = code_version(provenance())
+    for r in jobs:
+        runs = [by_id[i] for i in r["detail"]["run_ids"]]
+        assert r["seconds"] > 0 and r["runs"] == len(runs) and r["detail"]["status"] == "ok"
+        assert r["flop"] == pytest.approx(sum(_by_hand_flops(c) * STEPS for c in runs), rel=1e-12)
+        assert r["detail"]["steps"] == STEPS * len(runs)
+        assert r["detail"]["pieces"] == [[r["started_at"], r["seconds"]]]  # one piece: nothing resumed
+        assert r["code_version"] == version and r["gemm_gflops"] > 0  # the rate the sweep measured
+    (sweep,) = [r for r in store.ledger() if r["kind"] == "sweep"]
+    assert sweep["runs"] == 3 and sweep["seconds"] >= max(r["seconds"] for r in jobs)
+    # a sweep with nothing left to train adds nothing
+    execute(cfgs, store, group_size=2, progress=False, require_calibration=False)
+    assert len(store.ledger()) == 3
+
+
+def test_report_timings_sums_the_ledger_against_the_floor(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SOFTPRIOR_GEMM_GFLOPS", "40")  # what the sweep records: no measuring here
+    cfgs = _cfgs()
+    store = RunStore(tmp_path / "s")
+    execute(cfgs, store, group_size=3, progress=False, require_calibration=False)
+    rows = store.ledger()
+    jobs = [r for r in rows if r["kind"] == "job"]
+    t = _timings(capsys, tmp_path / "s", "--gemm-rate", "50")
+    flop = sum(r["flop"] for r in jobs)
+    assert flop == pytest.approx(sum(_by_hand_flops(c) * STEPS for c in cfgs), rel=1e-12)
+    assert t["flop"] == pytest.approx(flop, rel=1e-12) and t["gemm_gflops"] == 50.0
+    assert t["job_seconds"] == pytest.approx(sum(r["seconds"] for r in jobs), rel=1e-12)
+    # serial: the jobs lie inside the sweep, so the paper's time is the sweep's wall time (to the
+    # resolution of a unix time, ~0.2 us)
+    (sweep,) = [r for r in rows if r["kind"] == "sweep"]
+    assert t["wall_seconds"] == pytest.approx(sweep["seconds"], abs=1e-5)
+    assert t["floor_seconds"] == pytest.approx(flop / 50e9, rel=1e-12)
+    assert t["ratio"] == pytest.approx(t["wall_seconds"] / (flop / 50e9), rel=1e-12)
+    assert [c["seconds"] for c in t["costliest"]] == sorted((r["seconds"] for r in jobs), reverse=True)
+    assert t["costliest"][0]["gflops"] == pytest.approx(jobs[0]["flop"] / jobs[0]["seconds"] / 1e9)
+    # without --gemm-rate: the rate the sweep recorded
+    assert _timings(capsys, tmp_path / "s")["gemm_gflops"] == 40.0
+    assert main(["report", "timings", "--store", str(tmp_path / "s"), "--gemm-rate", "50"]) == 0
+    text = capsys.readouterr().out
+    assert f"{t['ratio']:.2f}x the floor" in text and "costliest jobs" in text
+
+
+def test_a_resumed_sweep_adds_only_the_new_pieces(tmp_path, monkeypatch):
+    """A sweep killed after its group's 6th checkpoint leaves no row; the next one resumes the group
+    and writes one row whose seconds are its two pieces' and whose FLOP is every step's; a third adds
+    nothing. The runs end with the bits of an uninterrupted sweep (timing changes no number)."""
+    from softprior.store.files import RunFiles
+    cfgs = _cfgs()[:2]
+    save, calls = RunFiles.save_group_checkpoint, []
+
+    def killed_after_six(self, run_ids, ck):
+        save(self, run_ids, ck)
+        calls.append(ck["meta"]["step"])
+        if len(calls) == 6:
+            raise KeyboardInterrupt  # as if the sweep were killed right after writing the checkpoint
+
+    store = RunStore(tmp_path / "s")
+    monkeypatch.setattr(RunFiles, "save_group_checkpoint", killed_after_six)
+    with pytest.raises(KeyboardInterrupt):
+        execute(cfgs, store, group_size=2, progress=False, require_calibration=False, checkpoint_seconds=0.0)
+    monkeypatch.setattr(RunFiles, "save_group_checkpoint", save)
+    assert store.ledger() == [] and calls[-1] == 6
+
+    execute(cfgs, store, group_size=2, progress=False, require_calibration=False, checkpoint_seconds=0.0)
+    (job,) = _jobs(store)
+    first, second = job["detail"]["pieces"]
+    assert first[1] > 0 and second[1] > 0 and first[0] < second[0]
+    assert job["seconds"] == pytest.approx(first[1] + second[1], rel=1e-12) and job["started_at"] == first[0]
+    assert job["detail"]["from_step"] == 0 and job["detail"]["steps"] == 2 * STEPS
+    assert job["flop"] == pytest.approx(sum(_by_hand_flops(c) * STEPS for c in cfgs), rel=1e-12)
+    assert all(store.summary(c.run_id)["resumed_at"] == 6 for c in cfgs)
+    n = len(store.ledger())
+    execute(cfgs, store, group_size=2, progress=False, require_calibration=False)
+    assert len(store.ledger()) == n
+
+    clean = RunStore(tmp_path / "clean")
+    execute(cfgs, clean, group_size=2, progress=False, require_calibration=False)
+    for c in cfgs:
+        assert store.metrics(c.run_id) == clean.metrics(c.run_id)
+        a, b = store.load_state(c.run_id), clean.load_state(c.run_id)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_pieces_on_different_days_add_and_concurrent_jobs_count_once():
+    from softprior.bench import ledger_summary
+    day = 86400.0
+
+    def job(start, sec, flop, version="v"):
+        return {"kind": "job", "name": f"j{start}", "seconds": sec, "flop": flop, "runs": 1, "started_at": start,
+                "host": "h", "code_version": version, "gemm_gflops": None,
+                "detail": {"pieces": [[start, sec]], "steps": 10}}
+    rows = [job(0.0, 10.0, 1e9), job(5.0, 10.0, 1e9),  # two workers at once: 15 s of wall time
+            {**job(day, 0, 2e9), "seconds": 7.0, "detail": {"pieces": [[day, 3.0], [2 * day, 4.0]], "steps": 20}},
+            {"kind": "report", "name": "r", "seconds": 2.0, "flop": 0.0, "runs": 3, "started_at": 3 * day, "host": "h",
+             "code_version": "v", "gemm_gflops": None, "detail": {}},
+            job(4 * day, 100.0, 9e9, version="old")]
+    t = ledger_summary(rows, "v", rate=1.0)
+    assert t["wall_seconds"] == pytest.approx(15 + 3 + 4 + 2) and t["job_seconds"] == pytest.approx(27)
+    assert t["flop"] == 4e9 and t["ratio"] == pytest.approx(24 / 4.0) and t["rows_other_versions"] == 1
+    assert t["other_versions"] == ["old"] and t["report_seconds"] == 2.0
+    everything = ledger_summary(rows, None, rate=1.0)
+    assert everything["wall_seconds"] == pytest.approx(124) and everything["flop"] == 13e9
+
+
+def test_reports_are_recorded_and_only_this_code_version_is_summed(tmp_path, capsys):
+    store = RunStore(tmp_path / "s")
+    _record_report(store, "removability", 1000.0, 2.5, 9)
+    store.record_timing("job", "old job", 50.0, 1e12, 4, 2000.0, code_version="0.0.1@0123456789ab")
+    _record_report(RunStore(tmp_path / "s", read_only=True), "never", 3000.0, 1.0, 1)  # `report` only reads
+    (rep, old) = store.ledger()
+    assert (rep["kind"], rep["name"], rep["seconds"], rep["runs"]) == ("report", "removability", 2.5, 9)
+    assert rep["code_version"] == code_version(provenance())
+    t = _timings(capsys, tmp_path / "s", "--gemm-rate", "100")
+    assert (t["rows"], t["rows_other_versions"], t["flop"], t["report_seconds"]) == (1, 1, 0.0, 2.5)
+    assert t["ratio"] is None  # nothing trained
+    t = _timings(capsys, tmp_path / "s", "--gemm-rate", "100", "--all-versions")
+    assert t["rows"] == 2 and t["flop"] == 1e12 and t["ratio"] == pytest.approx(52.5 / 10.0)
+
+
+def test_the_ledger_is_append_only_and_read_where_absent(tmp_path, capsys):
+    store = RunStore(tmp_path / "s")
+    store.record_timing("report", "x", 1.0)
+    db = sqlite3.connect(tmp_path / "s" / "index.sqlite")
+    for sql in ("UPDATE ledger SET seconds = 0", "DELETE FROM ledger"):
+        with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+            db.execute(sql)
+    db.execute("DROP TRIGGER ledger_no_delete")  # an index written before the ledger: no table at all
+    db.execute("DROP TABLE ledger")
+    db.commit()
+    db.close()
+    assert RunStore(tmp_path / "s", read_only=True).ledger() == []
+    with pytest.raises(ValueError, match="kind"):
+        store.record_timing("lunch", "x", 1.0)
+    assert main(["report", "timings", "--store", str(tmp_path / "s"), "--gemm-rate", "0"]) == 2
