@@ -94,10 +94,12 @@ def ledger_summary(rows: list[dict], code_version: str | None = None, rate: floa
     elif any(r.get("gemm_gflops") for r in counted):
         rate, source = max(r["gemm_gflops"] for r in counted if r.get("gemm_gflops")), \
             "the fastest the sweeps measured (recorded in the ledger)"
-    else:
+    elif flop > 0:
         rate, source = gemm_rate(), "measured now (the ledger records none)"
+    else:
+        source = "none needed (nothing trained)"
     wall = _union_seconds(intervals)
-    floor = flop / (rate * 1e9)
+    floor = flop / (rate * 1e9) if rate else 0.0
     per_kind = {k: float(sum(r["seconds"] for r in counted if r["kind"] == k)) for k in ("job", "report", "sweep")}
     cells = [{"name": r["name"], "runs": r["runs"], "steps": r["detail"].get("steps"), "seconds": r["seconds"],
               "flop": r["flop"], "gflops": r["flop"] / r["seconds"] / 1e9 if r["seconds"] > 0 else None,
@@ -141,8 +143,10 @@ def format_timings(t: dict) -> str:
              "ran at once count once)",
              f"  sums: jobs {_secs(t['job_seconds'])} ({t['runs']} runs, {t['run_steps']:,} run-steps; worker-seconds), "
              f"reports {_secs(t['report_seconds'])}, sweeps {_secs(t['sweep_seconds'])}",
-             f"training: {t['flop'] / 1e12:.4g} TFLOP (bench.train_step_flops x steps)",
-             f"floor: {_secs(t['floor_seconds'])}: that FLOP at {t['gemm_gflops']:.1f} GFLOP/s, {t['gemm_source']}"]
+             f"training: {t['flop'] / 1e12:.4g} TFLOP (bench.train_step_flops x steps)"]
+    if t["gemm_gflops"]:
+        lines.append(f"floor: {_secs(t['floor_seconds'])}: that FLOP at {t['gemm_gflops']:.1f} GFLOP/s, "
+                     f"{t['gemm_source']}")
     if t["costliest"]:
         lines += ["", f"the {len(t['costliest'])} costliest jobs:", "| job | runs | run-steps | seconds | GFLOP | "
                   "GFLOP/s | pieces |", "|---|---|---|---|---|---|---|"]
