@@ -351,12 +351,13 @@ def test_an_edited_record_is_refused_naming_the_file(tmp_path, monkeypatch):
         _one_line_refusal(e.value, p)
     # a shipped record edited after it was written: the package default is refused where it is read
     ship = tmp_path / "registered"
-    for f in R._shipped_files():
+    for f in R.shipped_files():
         (ship / Path(str(f)).name).parent.mkdir(exist_ok=True)
         (ship / Path(str(f)).name).write_text(f.read_text())
     shipped = json.loads((ship / "assoc_recall.json").read_text())
     _write(ship / "assoc_recall.json", {**shipped, "task_options": {**shipped["task_options"], "n_pairs": 8}})
-    monkeypatch.setattr(R, "_shipped_files", lambda: sorted(ship.glob("*.json")))
+    import softprior.records
+    monkeypatch.setattr(softprior.records, "_shipped_files", lambda: sorted(ship.glob("*.json")))
     with pytest.raises(CalibrationMissing) as e:
         make_run_config("assoc_recall", "fade600")
     _one_line_refusal(e.value, ship / "assoc_recall.json")

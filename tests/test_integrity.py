@@ -12,7 +12,7 @@ import pytest
 from conftest import state_dicts_equal, tiny_config
 from softprior.cli import main
 from softprior.executors import execute
-from softprior.integrity import verify_store
+from softprior.store.integrity import verify_store
 from softprior.store import RunStore, StoreError
 from softprior.train import train
 
@@ -224,7 +224,7 @@ def test_unfinished_run_directories_are_listed_not_damaged(filled, capsys):
 def test_rebuild_reindexes_a_run_whose_checksum_rows_alone_were_lost(filled):
     """Checksum rows lost with a damaged index are the index's damage: the run's intact files are read
     instead, and the run is indexed again (not moved aside and retrained)."""
-    from softprior.integrity import _read_index, _rebuild_index
+    from softprior.store.integrity import _read_index, _rebuild_index
     store, cfgs, held = filled
     victim = cfgs[1].run_id
     _, sums, _, _ = _read_index(store.root / "index.sqlite")

@@ -561,7 +561,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_store_verify(args) -> int:
-    from .integrity import verify_store
+    from .store.integrity import verify_store
     report = verify_store(args.store, repair=args.repair)
     for line in report.lines():
         print(line)
@@ -733,7 +733,7 @@ _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.positional.base", "UnknownSchemeError"),
               ("softprior.experiments", "UnknownExperimentError"), ("softprior.experiments", "UnknownTaskFilterError"),
               ("softprior.experiments", "PluginError"), ("softprior.calibration.space", "SpaceError"),
-              ("softprior.calibration.record", "CalibrationMissing"),  # and RecordRefused, a subclass
+              ("softprior.records", "CalibrationMissing"),  # and RecordRefused, a subclass
               ("softprior.interop", "ExportError"), ("softprior.interop", "MissingExtraError"))
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .model import ModelConfig, model_preset
 from .paths import PathConfig, get_path
+from .records import LATER_DEFAULTS, default_options
 from .tasks import TaskConfig, task_config
 
 __all__ = ["RunConfig", "make_run_config", "config_hash", "NON_SEMANTIC_FIELDS"]
@@ -22,19 +23,10 @@ __all__ = ["RunConfig", "make_run_config", "config_hash", "NON_SEMANTIC_FIELDS"]
 # fields that do not change a run's numbers, so they are left out of its hash
 NON_SEMANTIC_FIELDS = {"checkpoint_every", "label"}
 
-# options added after the first release (task design and initialisation axes of the calibration
-# search): hashed only when set away from their default, so every earlier run id stays valid
-LATER_DEFAULTS = {
-    "task": {"layout": "disjoint", "n_queries": 1, "loss_on": ("last", "final"), "placement": "packed",
-             "query": "distinct", "n_points": None, "keys": "distinct", "repeat_target": "uniform",
-             "answer": "successor", "format": "interleaved", "w_scale": "unit", "noise": 0.0},
-    "model": {"prior_cap": 8.0},
-}
-
 
 def config_hash(canonical: dict) -> str:
     """A run id: the first 16 hex digits of the SHA-256 of a canonical config (``RunConfig.canonical``)
-    as sorted, compact JSON. ``integrity`` checks stored configs against their run ids with it."""
+    as sorted, compact JSON. ``store.integrity`` checks stored configs against their run ids with it."""
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
@@ -112,10 +104,10 @@ def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "
                     baseline: str | None = None, calibrated: bool = True, **overrides) -> RunConfig:
     """Build a RunConfig from names (as the CLI does) plus overrides. ``baseline`` (one of
     ``softprior.baselines.BASELINES``) sets the model's positional scheme and the path.
-    ``calibrated``: start from the task's pre-registered calibration (``calibration/registered``;
-    True) or from the plain config defaults (False: the first version's task and initialisation)."""
+    ``calibrated``: start from the task's pre-registered calibration (``records.default_options``, from
+    ``calibration/registered``; True) or from the plain config defaults (False: the first version's task
+    and initialisation)."""
     if isinstance(task, str) and calibrated:  # the task's pre-registered calibration is the default
-        from .calibration.record import default_options
         t_def, m_def = default_options(task)
         task_options = {**t_def, **(task_options or {})}
         model_options = {**m_def, **(model_options or {})}

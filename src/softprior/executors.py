@@ -653,9 +653,8 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
         raise ValueError(f"--workers must be >= 1, got {workers}")
     cfgs = _unique(cfgs)
     todo, group_size = sweep_plan(cfgs, store, group_size, workers)
-    from .calibration.record import check_calibrated
     if require_calibration:
-        check_calibrated(todo, store.root)
+        store.check_calibrated(todo)
     report = SweepReport(total=len(cfgs))
     report.skipped = len(cfgs) - len(todo)
     gemm = _ledger_gemm_rate() if todo else None  # for the time ledger, before any worker starts

@@ -445,7 +445,7 @@ def provenance_note(store: RunStore, cells: list[Cell]) -> str:
     import collections
     import sys
 
-    from .calibration.record import DIFFICULTY_PATHS
+    from .records import DIFFICULTY_PATHS
     from .provenance import code_version
     ids = list(dict.fromkeys(c.cfg.run_id for c in cells))
     done = [store.summary(r) for r in ids if store.is_done(r)]

@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from .criteria import criteria_for
-from .record import calibration_key, make_record, save_record
+from .record import calibration_key, make_record
 from .report import candidates_table, choose, criteria_text, formation_by_axis
 from .robustness import claim_counts, mapped, prediction_rows
 from .search import candidate_configs
@@ -47,7 +47,7 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
     measured["formation"] = c.formation
     rec = make_record(space, c.task_options, c.model_options, keys, measured, passes,
                       note=f"candidate {c.cid} of study {space.name}-{space.digest}")
-    save_record(store.root, rec)
+    store.write_record(rec)
     if ship:
         dest = Path(str(resources.files("softprior.calibration") / "registered")) / f"{space.task}.json"
         dest.write_text(json.dumps(rec, indent=1, sort_keys=True))

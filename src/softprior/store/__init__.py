@@ -10,17 +10,24 @@
     STORE/runs/RUN_ID/summary.json
     STORE/runs/RUN_ID/snapshots/step_N.safetensors  weights during training (mechanism traces)
     STORE/runs/RUN_ID/checkpoint.safetensors resumable state while a run is in progress
+    STORE/calibration/TASK-HASH.json         calibration records (``records``: the store's clock)
+    STORE/calibration/*.json                 the calibration search's other files (``write_calibration_file``)
+    STORE/optuna.sqlite3                     the calibration search's Optuna study (``optuna_url``)
+    STORE/analysis_cache/NAME                analyses a report reads back (``write_cache``, ``cache_path``)
 
 Runs are keyed by a hash of their canonical config (``RunConfig.run_id``). Every file is written to a
 temporary name and renamed into place; only then is the run committed as done in SQLite, so a killed
 process leaves either a complete run or none. The SHA-256 and size of every file a finished run
 wrote are recorded in the ``files`` table in the same transaction (``softprior store verify`` checks
-them, see ``softprior.integrity``). SQLite runs in WAL mode with a busy timeout; runs are
+them, see ``softprior.store.integrity``). SQLite runs in WAL mode with a busy timeout; runs are
 claimed in an IMMEDIATE transaction so that two processes never train the same run.
 
 Layout of the code: ``index`` (``RunIndex``: SQLite, leases, checksums, engine errors), ``files``
-(``RunFiles``: run directories, safetensors, checkpoints, snapshots), and ``RunStore`` here, which
-puts the two together (files first, then the index commit) and builds models from stored weights.
+(``RunFiles``: run directories, safetensors, checkpoints, snapshots), ``records`` (the calibration
+records of ``STORE/calibration`` and the store's clock), ``integrity`` (``softprior store verify``), and
+``RunStore`` here, which puts them together (files first, then the index commit) and builds models
+from stored weights. Every file under the store is written by this package, through ``RunStore``'s
+public methods: no other module writes there or calls a private function of it.
 
 A store can be read where it cannot be written (shared read-only, on a read-only mount): opened
 read-only, it creates nothing, writes nothing (the index through ``index.connect_read_only``), and a
@@ -40,6 +47,7 @@ from ..config import RunConfig
 from .errors import RunNotFoundError, StoreDamagedError, StoreError, StoreNotFoundError, StoreReadOnlyError
 from .files import RunFiles, _atomic_write_bytes, sha256_file
 from .index import STALE_SECONDS, RunIndex
+from .records import calibration_dir, check_calibrated, covering_records, save_record, store_records
 
 __all__ = ["RunStore", "RunIndex", "RunFiles", "StoreError", "RunNotFoundError", "StoreNotFoundError",
            "StoreReadOnlyError", "StoreDamagedError", "load_results", "sha256_file", "STALE_SECONDS"]
@@ -144,10 +152,9 @@ class RunStore:
     def save_result(self, result) -> None:
         """Write a finished run's files atomically, then commit it as done together with the SHA-256
         of every file written (table ``files``). The summary names the calibration record that covers
-        the run's configuration (``calibration.record``; None if none does)."""
-        from ..calibration.record import covering_records
+        the run's configuration (``covering_records``; None if none does)."""
         cfg = result.config
-        result.summary.setdefault("calibration", covering_records([cfg], self.root)[cfg.run_id])
+        result.summary.setdefault("calibration", self.covering_records([cfg])[cfg.run_id])
         sums = self.files.write_result(result)
         self.index.commit_done(cfg, result.summary, sums)
         self.files.drop_checkpoint(cfg.run_id)
@@ -170,6 +177,51 @@ class RunStore:
             return None
         return f
 
+    def cache_path(self, name: str) -> Path:
+        """Where ``write_cache`` keeps ``name`` (``STORE/analysis_cache/NAME``), for reading it back."""
+        return self.root / "analysis_cache" / name
+
+    # ------------------------------------------------------------------ calibration
+    def calibration_dir(self) -> Path:
+        """``STORE/calibration``: the calibration records and the calibration search's files."""
+        return calibration_dir(self.root)
+
+    def write_record(self, record: dict) -> Path:
+        """Write a calibration record (``records.save_record``: verified, seen by the store's clock,
+        refused if a prediction row it covers is already here)."""
+        self._writable()
+        return save_record(self.root, record)
+
+    def calibration_records(self) -> list[dict]:
+        """The store's calibration records, each verified (``RecordRefused`` naming a file that is not)."""
+        return store_records(self.root)
+
+    def covering_records(self, cfgs) -> dict[str, str | None]:
+        """Run id -> hash of the record that covers it by the store's clock (``records.covering_records``)."""
+        return covering_records(cfgs, self.root)
+
+    def check_calibrated(self, cfgs) -> dict[str, str]:
+        """Run id -> record hash of every prediction row among ``cfgs``; ``CalibrationMissing`` for the first
+        one no record covers (``records.check_calibrated``)."""
+        return check_calibrated(cfgs, self.root)
+
+    def write_calibration_file(self, name: str, text: str) -> Path:
+        """Write ``STORE/calibration/NAME`` atomically (the calibration search's own files, not records)."""
+        self._writable()
+        f = self.calibration_dir() / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write_bytes(f, text.encode())
+        return f
+
+    def optuna_url(self) -> str:
+        """The SQLAlchemy URL of the calibration search's Optuna study, ``STORE/optuna.sqlite3``."""
+        return f"sqlite:///{(self.root / 'optuna.sqlite3').resolve()}"
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise StoreReadOnlyError(f"store {str(self.root)!r} is open read-only: nothing can be written to it")
+
+    # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
         self.files.save_checkpoint(run_id, ckpt)
         self.index.heartbeat(run_id)

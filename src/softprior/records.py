@@ -1,0 +1,287 @@
+"""Calibration records, the core that every layer reads: what a record is, its hash and its
+verification, the calibration key of a run config, and the records the package ships. A bottom-layer
+module (it imports nothing of the package), so ``config`` builds a task's default run from its
+shipped record without reaching up into ``calibration/``.
+
+A record fixes the task design and initialisation *before* any prediction row of that configuration
+is trained (docs/DESIGN.md, "Calibration"). It holds the chosen candidate's task and model options,
+the criteria it was chosen by, what they measured, a UTC timestamp and a content hash. Records live
+in the run store (``STORE/calibration/<task>-<hash>.json``: ``store.records`` reads and writes them,
+the store's clock included) and, for the package defaults, in the package
+(``softprior/calibration/registered/<task>.json``, copied there by ``softprior calibrate --register``
+with ``--ship``). ``config.make_run_config`` builds a task's default run from its shipped record.
+
+A *prediction row* (any path other than the difficulty rows) of the soft-prior model needs a record
+that covers its calibration key (task options and initialisation fields; not sizes, not training
+settings, not Markov's p): ``needs_record``, ``calibration_key``; the store refuses to train one
+that no record covers (``store.records.check_calibrated``, ``CalibrationMissing``). Exploratory
+runs pass ``require_calibration=False``.
+
+Records prove themselves:
+
+- **The hash.** ``record_hash`` recomputes a record's hash from the record itself, by the scheme it
+  names (``hash_scheme``): v2 (what ``calibration.record.make_record`` writes) hashes everything but
+  the hash, so its content, its calibration keys and its time ``registered_at``; v1 (records without
+  ``hash_scheme``: every record written before v2, the shipped ones included) hashed everything but
+  the hash and the time. Each record verifies under its own scheme, so old records and the runs made
+  under them stay valid (the hash is no part of a run id). Every read of a record (``read_record``:
+  training a prediction row, the summary's covering record, the package defaults, ``store verify``,
+  and ``store.records.verify_named`` for a report's runs) recomputes it; a mismatch (a forged or
+  edited record) raises ``RecordRefused``, one line naming the file.
+- **The store's clock** (``store.records``): a record cannot vouch for its own time, so the store
+  keeps one: its index notes when it first saw each record's hash (table ``record_sightings``,
+  append-only), and every finished run the hash of the record it ran under (column ``runs.record``;
+  '' for none). A run is covered only by a record the store saw before the run started (its row's
+  ``created``): a record placed in ``STORE/calibration/`` after a prediction row of its configuration
+  is refused, one line naming the file, and never covers a run that started before it. (Runs
+  committed before the store kept its clock have ``record`` NULL and are not judged by it.)
+- **Git, the clock of the shipped records.** ``git_clock_problems`` checks in the repository's
+  history that every table under ``docs/results/`` naming a shipped record was committed after that
+  record, with the content it has now.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+from importlib import resources
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["calibration_key", "shipped_records", "all_shipped_records", "find_record", "CalibrationMissing",
+           "RecordRefused", "DIFFICULTY_PATHS", "LATER_DEFAULTS", "default_options", "record_hash", "verify_record",
+           "read_record", "shipped_files", "late_record_reason", "needs_record", "record_keys", "git_clock_problems",
+           "HASH_SCHEME"]
+
+DIFFICULTY_PATHS = {"unforced", "forced_zero"}
+_INIT_FIELDS = ("embed_init_std", "content_rank", "content_init_std", "gate_granularity", "gate_logit_init",
+                "prior_init", "prior_layers", "prior_scale", "prior_cap")
+_ROW_FIELDS = {"p"}  # task options that differ between the rows of one candidate
+
+HASH_SCHEME = 2  # the scheme calibration.record.make_record writes
+_UNHASHED = {1: ("hash", "registered_at"), 2: ("hash",)}  # per scheme: the fields its hash leaves out
+
+
+# options added after the first release (task design and initialisation axes of the calibration
+# search): hashed only when set away from their default, so every earlier run id stays valid
+# (``config.RunConfig.canonical``) and a record written before an option existed still covers the
+# configurations it covered then (``calibration_key``)
+LATER_DEFAULTS = {
+    "task": {"layout": "disjoint", "n_queries": 1, "loss_on": ("last", "final"), "placement": "packed",
+             "query": "distinct", "n_points": None, "keys": "distinct", "repeat_target": "uniform",
+             "answer": "successor", "format": "interleaved", "w_scale": "unit", "noise": 0.0},
+    "model": {"prior_cap": 8.0},
+}
+
+
+class CalibrationMissing(RuntimeError):
+    pass
+
+
+class RecordRefused(CalibrationMissing):
+    """A calibration record that does not prove itself: unreadable, its hash not its content's (forged,
+    or edited after it was written), or first seen by the store after a prediction row it covers had
+    started. The message is one line naming the file (``file``; ``why``: the rest)."""
+
+    def __init__(self, file: str, why: str):
+        super().__init__(f"calibration record {file}: {why}")
+        self.file, self.why = file, why
+
+    def __reduce__(self):  # (pickled across worker processes)
+        return type(self), (self.file, self.why)
+
+
+def _canon(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def calibration_key(cfg) -> str:
+    """What a calibration fixes for a run config: its task options (less row options) and init fields,
+    less the options added later at their defaults (``LATER_DEFAULTS``, as for run ids), so a
+    record written before an option existed still covers the configurations it covered then."""
+    t = {k: v for k, v in cfg.task.model_dump(mode="json").items() if k not in _ROW_FIELDS}
+    m = cfg.model.model_dump(mode="json")
+    return _key_form({"task": t, "init": {k: m[k] for k in _INIT_FIELDS}})
+
+
+def _key_form(key) -> str:
+    """A calibration key (a dict or its JSON) without the later options at their defaults."""
+    d = json.loads(key) if isinstance(key, str) else key
+    for part, defaults in (("task", LATER_DEFAULTS["task"]), ("init", LATER_DEFAULTS["model"])):
+        sub = dict(d.get(part, {}))
+        for k, default in defaults.items():
+            if k in sub and (sub[k] in default if isinstance(default, tuple) else sub[k] == default):
+                del sub[k]
+        d = {**d, part: sub}
+    return _canon(d)
+
+
+def record_hash(rec: dict) -> str:
+    """The hash of a record by the scheme it names (module docstring): v2 (``hash_scheme`` 2) covers
+    everything but the hash (content, calibration keys and ``registered_at``); v1 (no ``hash_scheme``)
+    everything but the hash and ``registered_at``."""
+    scheme = rec.get("hash_scheme", 1)
+    if scheme not in _UNHASHED:
+        raise ValueError(f"unknown hash scheme {scheme!r}; known: {', '.join(map(str, _UNHASHED))}")
+    body = {k: v for k, v in rec.items() if k not in _UNHASHED[scheme]}
+    return hashlib.sha256(_canon(body).encode()).hexdigest()[:16]
+
+
+def verify_record(rec, where: str) -> dict:
+    """``rec`` if its hash is the hash of its content (``record_hash``), else ``RecordRefused`` naming
+    ``where`` (the file it was read from)."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("hash"), str) or not isinstance(rec.get("keys"), list):
+        raise RecordRefused(where, "not a record (a JSON object with a hash and keys)")
+    try:
+        got = record_hash(rec)
+    except ValueError as e:
+        raise RecordRefused(where, str(e)) from None
+    if got != rec["hash"]:
+        raise RecordRefused(where, f"its hash {rec['hash']} is not the hash of its content ({got}, scheme "
+                                   f"v{rec.get('hash_scheme', 1)}): it was forged or edited after it was written; "
+                                   "remove it (`softprior store verify --repair` moves it aside)")
+    return rec
+
+
+_VERIFIED: set[tuple[str, str]] = set()  # (where, text) already verified: the package defaults are read often
+
+
+def read_record(path, text: str | None = None) -> dict:
+    """The record in file ``path`` (a path or package resource), verified (``verify_record``);
+    ``RecordRefused`` naming the file if it cannot be read or does not verify."""
+    where = str(path)
+    try:
+        text = path.read_text() if text is None else text
+        rec = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise RecordRefused(where, f"unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+    if (where, text) not in _VERIFIED:
+        verify_record(rec, where)
+        _VERIFIED.add((where, text))
+    return rec
+
+
+def shipped_files():
+    """The package's record files (``registered/*.json``)."""
+    return _shipped_files()
+
+
+def _shipped_files():
+    root = resources.files("softprior") / "calibration" / "registered"  # data: imports no calibration code
+    return sorted((f for f in root.iterdir() if str(f).endswith(".json")), key=str)
+
+
+def shipped_records() -> dict[str, dict]:
+    """The package's pre-registered default per task (``registered/TASK.json``), verified."""
+    out = {}
+    for f in _shipped_files():
+        rec = read_record(f)
+        if Path(str(f)).stem == rec["task"]:
+            out[rec["task"]] = rec
+    return out
+
+
+def all_shipped_records() -> list[dict]:
+    """Every record the package ships: the defaults and superseded ones (``legacy-TASK.json``), which
+    stay registered so that the runs made under them remain reproducible. Each verified."""
+    return [read_record(f) for f in _shipped_files()]
+
+
+def default_options(task: str) -> tuple[dict, dict]:
+    """(task_options, model_options) of a task's shipped pre-registered default (empty if none)."""
+    rec = shipped_records().get(task)
+    if rec is None:
+        return {}, {}
+    m = {k: tuple(v) if k == "prior_layers" else v for k, v in rec["model_options"].items()}
+    return dict(rec["task_options"]), m
+
+
+def find_record(cfg, records: Iterable[dict]) -> dict | None:
+    key = calibration_key(cfg)
+    for r in records:
+        if key in record_keys(r):
+            return r
+    return None
+
+
+def record_keys(rec: dict) -> set[str]:
+    """The calibration keys a record covers, in ``calibration_key``'s form."""
+    return {_key_form(k) for k in rec.get("keys", ())}
+
+
+def needs_record(cfg) -> bool:
+    return (cfg.path.name not in DIFFICULTY_PATHS and cfg.model.prior and cfg.model.positional == "none"
+            and cfg.task.name in ("assoc_recall", "markov", "linear_icl"))
+
+
+def late_record_reason(run_id: str) -> str:
+    return (f"prediction row {run_id} of its configuration was trained before the store first saw this record: "
+            "a record added after the fact covers nothing; remove it (`softprior store verify --repair` moves it "
+            "aside)")
+
+
+# ------------------------------------------------------------------------------------ git, the package's clock
+_HEX16 = re.compile(r"\b[0-9a-f]{16}\b")
+_PROVENANCE = re.compile(r"calibration record ([^;_\n]*)")
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=120)
+
+
+def git_clock_problems(repo: str | Path, registered: str = "src/softprior/calibration/registered",
+                       tables: str = "docs/results") -> list[str] | None:
+    """One line per shipped record that is not older than the tables computed under it, naming the
+    file; None where git or the repository's history is not available (not a checkout, a shallow clone).
+
+    A table names its records in its provenance line ("calibration record HASH (n), ..."). For every
+    commit that changed a table's mention of a record's hash, the record must already be in the
+    commit's parent, under ``registered``, with the content it has now: a record added after its
+    tables, or edited since (a v1 record's time is outside its hash), is refused. A hash a table names
+    must be shipped."""
+    repo = Path(repo)
+    try:
+        top = _git(repo, "rev-parse", "--show-toplevel", "--is-shallow-repository")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = top.stdout.split()
+    if top.returncode != 0 or len(lines) != 2 or lines[1] != "false" or Path(lines[0]).resolve() != repo.resolve():
+        return None
+    reg = repo / registered
+    shipped = {}
+    for f in sorted(reg.glob("*.json")):
+        rec = json.loads(f.read_text())
+        shipped[rec["hash"]] = (f"{registered}/{f.name}", rec)
+    problems, named = [], {}
+    for f in sorted((repo / tables).rglob("*.md")):
+        for m in _PROVENANCE.finditer(f.read_text()):
+            for h in _HEX16.findall(m.group(1)):
+                named.setdefault(h, str(f.relative_to(repo)))
+    for h, table in sorted(named.items()):
+        if h not in shipped:
+            problems.append(f"{table}: names calibration record {h}, which {registered}/ does not ship")
+    for h, (rel, rec) in sorted(shipped.items()):
+        log = _git(repo, "log", "--format=%H", "-S", h, "--", tables)
+        for commit in log.stdout.split():
+            parent = _git(repo, "rev-parse", "--verify", "--quiet", f"{commit}^")
+            if parent.returncode != 0 or not _shipped_at(repo, parent.stdout.strip(), registered, rec):
+                problems.append(f"{rel}: calibration record {h} was added or edited after commit {commit[:12]}, "
+                                f"whose tables under {tables}/ were computed under it")
+                break
+    return problems
+
+
+def _shipped_at(repo: Path, commit: str, registered: str, rec: dict) -> bool:
+    """Whether ``commit`` shipped a record equal to ``rec`` (any file of ``registered``)."""
+    ls = _git(repo, "ls-tree", "--name-only", f"{commit}:{registered}")
+    for name in ls.stdout.split() if ls.returncode == 0 else []:
+        if name.endswith(".json"):
+            shown = _git(repo, "show", f"{commit}:{registered}/{name}")
+            try:
+                if shown.returncode == 0 and json.loads(shown.stdout) == rec:
+                    return True
+            except ValueError:
+                continue
+    return False
