@@ -14,6 +14,7 @@ import runpy
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .cells import NORMAL, ZERO, Cell, Eval
 from .config import RunConfig, make_run_config
 from .registry import Registry
 
@@ -27,29 +28,6 @@ class UnknownExperimentError(ValueError):
 
 class UnknownTaskFilterError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class Eval:
-    name: str
-    gates: tuple | None = None  # (g_pos, g_content); None entries keep the model's own gate
-    length: int | None = None  # None: the training context
-
-    @property
-    def from_summary(self) -> bool:
-        return self.length is None and self.gates in (None, (None, None), (0.0, 0.0))
-
-
-NORMAL = Eval("normal")
-ZERO = Eval("zero", (0.0, 0.0))
-
-
-@dataclass
-class Cell:
-    cfg: RunConfig
-    row: str
-    col: str = ""
-    evals: tuple[Eval, ...] = (ZERO, NORMAL)
 
 
 @dataclass

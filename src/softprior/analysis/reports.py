@@ -13,8 +13,8 @@ import torch
 
 from .continuation import MAX_ITER, REL_DAMPING, TOL
 
-if TYPE_CHECKING:  # type names only: importing them would close a cycle through the registry
-    from ..experiments import Cell
+if TYPE_CHECKING:  # type names only (the cells live below the experiment registry, which imports this module)
+    from ..cells import Cell
     from ..store import RunStore
 
 __all__ = ["mechanism_report", "continuation_report", "spearman"]
@@ -162,7 +162,6 @@ def _cached_traces(store, jobs: list[tuple], workers: int = 1) -> list:
     floats) instead of recomputing them (~30 s per large-model snapshot). The runs it must compute are
     measured together (``continuation.continuation_traces``: with ``workers`` > 1, every snapshot one task
     of a process pool). The ``seconds`` column keeps the time the measurement took when it was made."""
-    from ..store.files import _atomic_write_bytes
     from .continuation import continuation_traces
     files = [_trace_file(store, cfg, heads, kw) for cfg, heads, kw in jobs]
     out = [_read_trace(f) for f in files]
@@ -174,8 +173,7 @@ def _cached_traces(store, jobs: list[tuple], workers: int = 1) -> list:
 
     def keep(k, df):  # cached as soon as it is complete: an interrupted report keeps what it finished
         if not df.empty:
-            files[k].parent.mkdir(exist_ok=True)
-            _atomic_write_bytes(files[k], df.to_csv(index=False).encode())
+            store.write_cache(files[k].name, df.to_csv(index=False).encode())
         out[k] = df
     if workers <= 1:  # one run's snapshots in memory at a time
         for k in todo:

@@ -157,7 +157,7 @@ def _enqueue_grid(study, space: SearchSpace) -> None:
 def _study(space: SearchSpace, store, create: bool = True):
     import optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = f"sqlite:///{(store.root / 'optuna.sqlite3').resolve()}"
+    storage = store.optuna_url()
     if not create:
         return optuna.load_study(study_name=study_name(space), storage=storage)
     return optuna.create_study(study_name=study_name(space), storage=storage, load_if_exists=True,
@@ -253,7 +253,7 @@ def _finish(tr, res, means, values, form, n_seeds):
 
 
 def _nearest_file(space: SearchSpace, store):
-    return store.root / "calibration" / f"{study_name(space)}-nearest.json"
+    return store.calibration_dir() / f"{study_name(space)}-nearest.json"
 
 
 def complete_nearest(space: SearchSpace, store, cands: list[Candidate], k: int = 5, *, executor: str = "local",
@@ -284,8 +284,7 @@ def complete_nearest(space: SearchSpace, store, cands: list[Candidate], k: int =
         res, means, values, form = measure(space, store, c.task_options, c.model_options, full, steps=steps)
         done[c.cid] = {"distance": sum(r.gap for r in res), "passes": all(r.ok for r in res), "means": means,
                        "values": values, "formation": form, "checks": {r.name: r.ok for r in res}}
-    f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps(done, indent=1, sort_keys=True))
+    store.write_calibration_file(f.name, json.dumps(done, indent=1, sort_keys=True))
     return load_candidates(space, store)
 
 
