@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from .flops import gemm_rate, train_step_flops
+
 __all__ = ["run_bench", "train_step_flops", "gemm_rate", "ledger_summary", "format_timings"]
 
 
@@ -27,31 +29,6 @@ def _gemm_gflops(n: int = 1024, reps: int = 10) -> float:
         a @ b
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
-
-
-def gemm_rate(threads: int | None = None, n: int = 1024, reps: int = 10) -> float:
-    """The machine's fp32 GEMM rate in GFLOP/s, as ``softprior bench`` measures it: the fastest of
-    ``reps`` n^3 matmuls (after 3 warm-ups) at ``threads`` torch threads (default: every core this
-    process may use, the rate of docs/PERFORMANCE.md's arithmetic floor). The matrices come from a
-    generator of its own (the global RNG is left alone) and the thread count is restored."""
-    import os
-    if threads is None:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    old = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        g = torch.Generator().manual_seed(0)
-        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-        for _ in range(3):
-            a @ b
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t)
-        return 2 * n ** 3 / best / 1e9
-    finally:
-        torch.set_num_threads(old)
 
 
 def _union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -156,26 +133,6 @@ def format_timings(t: dict) -> str:
             lines.append(f"| {name}{'' if c['status'] == 'ok' else ' (' + c['status'] + ')'} | {c['runs']} | "
                          f"{c['steps'] or 0:,} | {c['seconds']:.1f} | {c['flop'] / 1e9:,.1f} | {rate} | {c['pieces']} |")
     return "\n".join(lines)
-
-
-def train_step_flops(cfg) -> float:
-    """Matmul FLOPs of one training step (forward x 3 for forward + backward), from the shapes.
-    The last layer computes queries only at the loss positions, as the engine does."""
-    m, B, T = cfg.model, cfg.batch_size, cfg.model.n_ctx
-    d, H, r, L = m.d_model, m.n_heads, m.content_rank, m.n_layers
-    dh, V = m.d_head, m.vocab
-    from .tasks import make_task
-    P = len(make_task(cfg.task).loss_positions(T))
-    fwd = 0.0
-    for layer in range(L):
-        Tq = P if layer == L - 1 else T
-        fwd += 2 * B * T * d * (2 * d + H * r)  # K, V, content factor xV at every position
-        fwd += 2 * B * Tq * d * (d + H * r)  # Q and xU at query positions
-        fwd += 2 * B * H * Tq * T * (dh + r)  # scores (content folded in)
-        fwd += 2 * B * H * Tq * T * dh  # pattern @ V
-        fwd += 2 * B * Tq * d * d  # output projection
-    fwd += 2 * B * P * d * V  # tied unembedding
-    return 3 * fwd
 
 
 def _our_step(cfg):

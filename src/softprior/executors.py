@@ -757,7 +757,7 @@ def _ledger_gemm_rate() -> float | None:
     if env:
         return float(env)
     if _GEMM_RATE is None:
-        from .bench import gemm_rate
+        from .flops import gemm_rate
         _GEMM_RATE = gemm_rate()
     return _GEMM_RATE
 
@@ -787,7 +787,7 @@ class _Ledger:
     def job(self, cfgs: list[RunConfig], job: JobResult) -> None:
         if job.timing is None:  # a worker that crashed (or an older worker) returned no timing
             return
-        from .bench import train_step_flops
+        from .flops import train_step_flops
         from .model import size_label
         t = job.timing
         steps = {c.run_id: c.total_steps - t["from_step"] for c in cfgs}
