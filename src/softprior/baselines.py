@@ -1,6 +1,7 @@
-"""The thirteen static baselines of SPEC section 5 as (model options, path) pairs on the same
-backbone, optimiser and budget. Ten are positional schemes (``softprior.positional``) on a model
-whose soft prior is switched off; three are the model's own gated soft prior:
+"""The thirteen static baselines the paper compares against (docs/DESIGN.md, "Baselines") as (model
+options, path) pairs on the same backbone, optimiser and budget. Ten are positional schemes
+(``softprior.positional``) on a model whose soft prior is switched off; three are the model's own gated
+soft prior:
 
 - soft_bias:         both gates learned (the ``unforced`` path);
 - soft_pos_only:     position gate learned, content gate fixed at 0;
@@ -38,7 +39,7 @@ GATED_BASELINES: dict[str, tuple[PathConfig, str]] = {
                                      pos=_ZERO), "soft prior, content gate learned, position gate fixed at 0"),
 }
 _ALIASES = {"kerple": "kerple_log"}
-# the thirteen names, in SPEC order
+# the thirteen names, in the order of the static-baselines table
 BASELINES = ["vanilla", "nope", "rope", "alibi", "t5", "dape", "cope", "fire", "kerple", "gpsa",
              "soft_bias", "soft_pos_only", "soft_content_only"]
 

@@ -1,8 +1,8 @@
 """Run configuration: everything that determines a run's numbers, hashed into its run id.
 
-Training defaults follow SPEC section 7: AdamW, lr 1e-3, weight decay 0.01, gradient clipping at
-norm 1.0 (per run), batch 64, fresh batches each step from the run's seeded generator, 512 validation
-examples from a fixed validation seed, 3,600 steps.
+Training defaults follow the paper's protocol (docs/DESIGN.md, "Training"): AdamW, lr 1e-3, weight decay
+0.01, gradient clipping at norm 1.0 (per run), batch 64, fresh batches each step from the run's seeded
+generator, 512 validation examples from a fixed validation seed, 3,600 steps.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class RunConfig(BaseModel):
         return self
 
     def validation_batch(self, task=None, n: int | None = None, length: int | None = None):
-        """The fixed validation set (SPEC section 7): ``n`` (default ``n_val``) examples at ``length``
+        """The fixed validation set (docs/DESIGN.md, "Training"): ``n`` (default ``n_val``) examples at ``length``
         (default the training context) from ``val_seed``, the same for every run that shares them."""
         import torch
 

@@ -1,5 +1,5 @@
 """Experiments as data: a name, a description, the run configs it needs (as table cells), and how
-to tabulate and plot them. Every experiment of SPEC section 6 is registered here; users register
+to tabulate and plot them. Every experiment of the paper (Sec. 4, Tables 1-2) is registered here; users register
 their own with ``register_experiment`` (e.g. from a Python file passed as ``--plugin FILE``).
 
 A ``Cell`` is one run config plus where its numbers go in the table (``row``, ``col``) and which

@@ -35,7 +35,7 @@ What it does differently (each an exact algebraic identity, so only rounding dif
 5. **The residual add fused into the output projection** (``baddbmm``), the position bias gathered
    once per step as [K, H, T, T] with the causal mask added in, no [B, H, T, T] bias tensor.
 
-6. **Optionally, no autograd graph at all** (issue 16): ``backward="hand"`` (or
+6. **Optionally, no autograd graph at all** (docs/PERFORMANCE.md, the hand-written backward): ``backward="hand"`` (or
    ``$SOFTPRIOR_BACKWARD=hand``) runs the same forward as one ``autograd.Function`` (``_Whole``:
    ``_hand_forward`` saves what the backward reads, ``_hand_backward`` computes the gradient of every
    stacked parameter and of g_pos / g_content, formulas at ``_hand_forward``). The loss and the gate

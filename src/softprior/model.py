@@ -1,4 +1,4 @@
-"""The annealable soft-prior Transformer (SPEC section 2; arXiv 2609.10287).
+"""The annealable soft-prior Transformer (arXiv 2609.10287; docs/DESIGN.md, "Model").
 
 A causal, attention-only Transformer: token embedding, L blocks of pre-LayerNorm multi-head
 self-attention with residual connections, a final LayerNorm, and an unembedding tied to the token
@@ -133,10 +133,10 @@ def size_label(cfg: ModelConfig) -> str:
 
 
 def initial_pos_bias(cfg: ModelConfig) -> torch.Tensor:
-    """The B^pos table [H, n_ctx] a prior layer starts from (SPEC section 8):
+    """The B^pos table [H, n_ctx] a prior layer starts from (docs/DESIGN.md, "What the first prototype showed"):
     - "locality": B[h, r] = -scale (r - h)^2, head h centred on offset h (the prototype's prior);
     - "bounded": the same, clipped at -prior_cap, so far offsets keep a usable softmax gradient
-      (SPEC section 8: an unbounded quadratic on every layer reaches -450 and layer 1 cannot learn);
+      (an unbounded quadratic on every layer reaches -450 and layer 1 cannot learn: the prototype);
     - "alibi": B[h, r] = -scale m_h r with ALiBi's geometric slopes m_h = 2^(-8 (h+1) / H)
       (Press et al. 2022, section 3);
     - "zero": all zeros."""

@@ -1,8 +1,8 @@
 """Training paths (gate trajectories) as data.
 
-SPEC section 3: all paths share optimiser, model, data and step budget; they differ only in how
+The paper's training paths: all share optimiser, model, data and step budget; they differ only in how
 strongly the prior is applied over training. A path is a gate config per gate kind (position and
-content) plus options. Each gate is in one of three modes (SPEC section 2):
+content) plus options. Each gate is in one of three modes (the model's gates, docs/DESIGN.md "Model"):
 
 - ``learned``:   g = sigmoid(logit), the logit is trained (init from the model config);
 - ``fixed``:     g = value for the whole run (the logit is masked: it gets no gradient);

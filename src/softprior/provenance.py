@@ -1,4 +1,4 @@
-"""What produced a run: package version, git commit, torch, CPU and threads (issue 17).
+"""What produced a run: package version, git commit, torch, CPU and threads (docs/DESIGN.md, "Calibration").
 
 Recorded in every run summary by the process that trains it (so a Ray worker records its own
 machine), and read back by ``load_results`` and ``report``, which warns when one table mixes code
@@ -27,7 +27,7 @@ def provenance() -> dict:
     import os
 
     import torch
-    # the opt-in hand-written backward (fastpath.py, issue 16) rounds differently: marked where it is on
+    # the opt-in hand-written backward (fastpath.py, point 6) rounds differently: marked where it is on
     hand = {"fast_backward": "hand"} if os.environ.get("SOFTPRIOR_BACKWARD") == "hand" else {}
     return {**_static(), "threads": torch.get_num_threads(), **hand}
 

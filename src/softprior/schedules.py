@@ -1,6 +1,6 @@
 """Gate schedules: the value of a gate as a function of the training step.
 
-SPEC section 3 (after arXiv 2609.10287): every path is a schedule per gate. A schedule is plain data
+The paper's training paths (arXiv 2609.10287) as data: every path is a schedule per gate. A schedule is plain data
 (a pydantic model) so it can live in a JSON/TOML config file, be hashed into a run id and be
 evaluated vectorised over all steps for plotting.
 

@@ -1,11 +1,12 @@
-"""The three tasks of SPEC section 4, each a seeded batch generator with a loss, a metric and a
+"""The paper's three tasks (Sec. 4), each a seeded batch generator with a loss, a metric and a
 stated chance level. Generators take an explicit ``torch.Generator``; no global random state.
 
 Associative recall (our own generator, in the spirit of zoology's MQAR):
     [PAD ... PAD, k1 v1 k2 v2 ... kn vn, q]  ->  target v_i where k_i = q.
     Token 0 is PAD; keys come from [1, 1 + n_keys), values from the top n_values tokens, so keys and
     values are disjoint. Keys are distinct in a sequence and so are values: with values drawn with
-    replacement "predict the most frequent value in context" beats chance (SPEC section 8).
+    replacement "predict the most frequent value in context" beats chance (docs/DESIGN.md, "What the
+    first prototype showed").
     Sequences are left-padded to the requested length, so the same task runs at length 120.
     Loss and accuracy on the final (query) position only. Chance = 1 / n_pairs.
     Options (calibration axes, all validated config fields; defaults are the form above):

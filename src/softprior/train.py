@@ -3,7 +3,7 @@
 One loop and one step for a single run and for a group (``train_runs``, ``Runs``): ``train`` is
 the loop with K = 1, ``engine.train_group`` the same loop for K runs that may share a group.
 
-Evaluation semantics (SPEC section 1):
+Evaluation semantics (docs/DESIGN.md, '"normal" and "zero" evaluation'):
 - "normal": the model's own gates, sigmoid(gate logit). For learned gates that is the trained
   value. In fixed and scheduled modes the logit is masked (no gradient), so it stays at its
   initial value (0 -> g = 0.5): a faded model evaluated "normally" has its prior switched back on.
@@ -100,13 +100,14 @@ def evaluate(model: SoftPriorTransformer, task: Task, inputs, targets, gate_pos=
 # ------------------------------------------------------------------- the per-step rules
 # One definition each, used by the training loop below (``Runs``; one run or a group).
 def prior_dropped(path: PathConfig, drop_gen: torch.Generator) -> bool:
-    """Prior dropout (SPEC section 3): whether this step trains with both gates at 0. One draw from
-    the run's own dropout generator per step on paths with dropout, none on the others."""
+    """Prior dropout (a training path's option, ``paths.PathConfig``): whether this step trains with both
+    gates at 0. One draw from the run's own dropout generator per step on paths with dropout, none on
+    the others."""
     return path.prior_dropout > 0 and float(torch.rand((), generator=drop_gen)) < path.prior_dropout
 
 
 def step_gates(path: PathConfig, step: int, total_steps: int, dropped: bool) -> tuple[float | None, float | None]:
-    """The (position, content) gates a training step applies (SPEC sections 2-3): the path's forced
+    """The (position, content) gates a training step applies (the model's gate modes and the path): the path's forced
     value of each kind at ``step`` (fixed or scheduled), None where the gate is learned (the model's
     own sigmoid(logit)), and 0 for both on a step whose prior is dropped."""
     if dropped:
@@ -115,7 +116,7 @@ def step_gates(path: PathConfig, step: int, total_steps: int, dropped: bool) -> 
 
 
 def with_dual_loss(loss: torch.Tensor, zero_gate_loss: Callable[[], torch.Tensor], weight=1.0) -> torch.Tensor:
-    """The dual condition loss (SPEC section 3): loss(normal gates) + loss(zero gates).
+    """The dual condition loss (a training path's option): loss(normal gates) + loss(zero gates).
     ``weight``: 1 for a run with the dual loss; in ``Runs.step`` a per-run 0/1 vector [K]."""
     return loss + weight * zero_gate_loss()
 

@@ -1,4 +1,4 @@
-"""Mechanism analysis (SPEC section 6.11): attention patterns, per-head value contributions,
+"""Mechanism analysis (docs/DESIGN.md, "Mechanism traces"): attention patterns, per-head value contributions,
 successor-value mass, mean-ablation importance, previous-token and induction scores, and traces of
 these over training checkpoints. The paper's Section 3.3 continuation quantities (recovery signal,
 optimum tangent, tracking cosine) are in the submodule ``softprior.analysis.continuation``.
@@ -13,7 +13,7 @@ v^{l,h}_b[j] the head's value vector at position j (``hook_v``); W_O^h in R^{d_h
 
 Gates: ``gate_pos=None`` / ``gate_content=None`` mean the model's own (learned, sigmoid) gates, a float
 forces the gate, as in ``SoftPriorTransformer.forward``. The pattern-reading functions default to the
-model's own gates; the two SPEC 6.11 measures (``successor_value_mass``, ``ablation_importance``) and
+model's own gates; the two mechanism-trace measures (``successor_value_mass``, ``ablation_importance``) and
 ``trace`` default to the zero gate (both gates 0), i.e. they measure the circuit of the plain NoPE model
 that remains once the prior is removed.
 
@@ -138,7 +138,7 @@ def answer_mask(task, batch) -> torch.Tensor:
 
 def successor_value_mass(model: SoftPriorTransformer, batch, task, gate_pos=0.0, gate_content=0.0,
                          query_pos=-1) -> torch.Tensor:
-    """Successor-value mass per head, an [L, H] tensor (SPEC 6.11 (i)):
+    """Successor-value mass per head, an [L, H] tensor (mechanism trace measure (i)):
 
         M[l, h] = mean_b  sum_{j in answer(b)} C^l_b[h, j] / sum_j C^l_b[h, j]
 
@@ -184,7 +184,7 @@ def mean_ablation(model: SoftPriorTransformer, inputs: torch.Tensor, layer: int,
 
 
 def ablation_importance(model: SoftPriorTransformer, task, batch, gates=(0.0, 0.0)) -> torch.Tensor:
-    """Mean-ablation importance per head, an [L, H] tensor (SPEC 6.11 (ii)): the metric drop at
+    """Mean-ablation importance per head, an [L, H] tensor (mechanism trace measure (ii)): the metric drop at
     ``gates`` (default: both 0) when the head's output is replaced by its batch mean,
 
         I[l, h] = acc(clean) - acc(head (l, h) mean-ablated)
@@ -268,8 +268,8 @@ def _strip_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def trace(snapshots: Sequence[tuple[int, dict[str, torch.Tensor]]], cfg, batch=None, n_examples: int | None = None,
           gates=(0.0, 0.0), task=None):
-    """Mechanism trace over training checkpoints (SPEC 6.11) as a long pandas DataFrame with one row
-    per (step, layer, head) and columns
+    """Mechanism trace over training checkpoints (DESIGN.md, "Mechanism traces") as a long pandas
+    DataFrame with one row per (step, layer, head) and columns
 
         step, layer, head, successor_mass, ablation_importance, base_score
 
@@ -335,8 +335,8 @@ def _summ(df, column: str, threshold: float) -> dict:
 
 
 def summarise_trace(df, mass_threshold: float = 0.25, ablation_threshold: float = 0.03) -> dict:
-    """Per-seed summary of a ``trace`` (SPEC 6.11). The top head of a measure is the (layer, head)
-    with the largest value at the final traced step; its first step is the first traced step at which
+    """Per-seed summary of a ``trace`` (DESIGN.md, "Mechanism traces"). The top head of a measure is
+    the (layer, head) with the largest value at the final traced step; its first step is the first traced step at which
     that head's value is >= the threshold (None if never); ``*_first_step_any`` is the first step at
     which any head crosses. Keys:
 

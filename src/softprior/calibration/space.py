@@ -15,7 +15,7 @@
     "task.n_pairs" = 8
 
 Axes may only name task-design and initialisation fields (``TASK_AXES`` / ``MODEL_AXES``): training
-defaults and model sizes stay as the paper gives them (issue 14). A combination the task or model
+defaults and model sizes stay as the paper gives them (docs/DESIGN.md, "Calibration"). A combination the task or model
 config rejects (e.g. 12 pairs in a 'pool' layout that cannot hold them) is recorded as infeasible.
 """
 

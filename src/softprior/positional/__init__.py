@@ -1,4 +1,4 @@
-"""Static positional schemes (SPEC section 5): the baselines the soft prior is compared against.
+"""Static positional schemes (docs/DESIGN.md, "Baselines"): the baselines the soft prior is compared against.
 
 Every scheme is one ``PositionalScheme`` subclass behind the same four calls. The attention layer
 does, per layer and head (q, k: (B, H, Tq, dh) and (B, H, T, dh); qpos [Tq], kpos [T] are the
