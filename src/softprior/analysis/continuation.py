@@ -94,7 +94,7 @@ Conventions of the model wrappers (``model_output``, ``model_loss``, ``recovery_
 - The circuit subspace C (``circuit_mask``) is a coordinate subspace: by default the query, key and
   value rows of ``in_proj`` and the matching columns of ``out_proj`` of a list of (layer, head)
   pairs (4 d_model d_head coordinates per head), the heads found by ``circuit_heads``: zero-gate
-  mean-ablation importance (``ablation_importance``, SPEC 6.11 (ii)) of at least 0.03, at most half
+  mean-ablation importance (``ablation_importance``, the mechanism traces' (ii)) of at least 0.03, at most half
   of all heads, at least the top head. An explicit boolean mask, a list of parameter names or a
   {name: bool tensor} dict are accepted too.
 - The control is a random coordinate subspace of the same dimension k (seeded), drawn uniformly from
@@ -710,7 +710,7 @@ def circuit_mask(layout: ParamLayout, cfg, circuit) -> torch.Tensor:
 def circuit_heads(model: SoftPriorTransformer, task, batch, threshold: float = 0.03,
                   max_heads: int | None = None) -> list[tuple[int, int]]:
     """The heads that carry the zero-gate circuit: zero-gate mean-ablation importance
-    (``ablation_importance``, SPEC 6.11 (ii)) >= ``threshold``, largest first, at most ``max_heads``
+    (``ablation_importance``, DESIGN.md "Mechanism traces") >= ``threshold``, largest first, at most ``max_heads``
     (default half of all heads), and at least the top head."""
     from . import ablation_importance
     imp = ablation_importance(model, task, batch, (0.0, 0.0))

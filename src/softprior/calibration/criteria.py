@@ -1,7 +1,7 @@
 """Difficulty criteria and the paper's claims, declared as data.
 
 Only the paper's *difficulty rows* (unforced and forced_zero: how hard the task is with and without
-the prior) may choose a calibration (SPEC section 8; issue 14). They are ``Criterion`` objects: a
+the prior) may choose a calibration (docs/DESIGN.md, "Calibration"). They are ``Criterion`` objects: a
 row (a path, plus a task override such as Markov's p), which accuracy is read (the model's own gates,
 "normal", or every gate forced to 0, "zero"), a statistic over seeds ("mean" or "each" seed), and a
 bound (``target`` +- ``tol``, or ``lo`` / ``hi``), optionally measured relative to the task's
@@ -119,7 +119,7 @@ DIFFICULTY: dict[str, list[Criterion]] = {
         Criterion(name="forced_zero zero", row=_F, gates="zero", target=0.094, tol=0.05),
         Criterion(name="forced_zero zero per seed", row=_F, gates="zero", stat="each", hi=0.16),
     ],
-    # issue 14: with the prior the task is learned (>= .30 above the order-free baseline at p=0.8,
+    # docs/CALIBRATION.md: with the prior the task is learned (>= .30 above the order-free baseline at p=0.8,
     # clearly above it, which we declare as >= .10, at p=0.2); forced_zero within .05 of the baseline
     "markov": [
         Criterion(name="unforced normal p=0.8", row=_row("unforced", p=0.8), gates="normal", lo=0.30, vs_chance=True),

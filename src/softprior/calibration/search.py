@@ -1,4 +1,4 @@
-"""The calibration search (issue 14): Optuna proposes candidates, the project's executors train them.
+"""The calibration search (docs/DESIGN.md, "Calibration"): Optuna proposes candidates, the project's executors train them.
 
 Each Optuna trial is one candidate (task design + initialisation, see ``space.py``). A candidate is
 measured on the difficulty rows of its task (``criteria.difficulty_rows``) first on
