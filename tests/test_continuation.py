@@ -149,7 +149,7 @@ def test_tangent_residual_is_reported_honestly():
     cfg, model, task, batch = _model64()
     g0, eps, lam = 0.5, 1e-5, 1e-2
     for method in ("cg", "minres"):
-        t = C.optimum_tangent(model, task, batch, gate=g0, damping=lam, max_iter=15, method=method)
+        t = C.optimum_tangent(model, task, batch, gate=g0, damping=lam, max_iter=15, method=method, curvature="hessian")
         assert t.iterations >= 1 and t.tangent.shape == (sum(p.numel() for n, p in model.named_parameters()
                                                               if n != "gate_logits"),)
         # H t by a finite difference of the gradient, A by a finite difference in g: both independent

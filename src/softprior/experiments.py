@@ -267,8 +267,9 @@ def _continuation_cells(o: Options, models=("base",)) -> list[Cell]:
 
 
 def _continuation_analysis(store, cells, out_dir):
-    """The first min(256, n_val) validation examples, at most 30 H-vector products (a --quick smoke run:
-    32 examples, 10 products, which shows the shapes, not the numbers). The full analysis measures the
+    """The first min(256, n_val) validation examples, the solver's own product budget (CG to its
+    tolerance, docs/CONTINUATION.md; a --quick smoke run: 32 examples, 10 products, which shows the
+    shapes, not the numbers: its tangents do not converge). The full analysis measures the
     uncached traces on every core (one process each); a smoke run's are too cheap to pay for the spawns."""
     import os
 
@@ -276,12 +277,12 @@ def _continuation_analysis(store, cells, out_dir):
     if all(c.cfg.steps <= QUICK_STEPS for c in cells):
         return continuation_report(store, cells, out_dir, n_examples=32, max_iter=10)
     n = min([256] + [c.cfg.n_val for c in cells])
-    return continuation_report(store, cells, out_dir, n_examples=n, max_iter=30, workers=os.cpu_count() or 1)
+    return continuation_report(store, cells, out_dir, n_examples=n, workers=os.cpu_count() or 1)
 
 
 register_experiment(Experiment(
     "continuation_trace", "the paper's continuation view (Sec. 3.3), measured every 300 steps: zero-gate recovery "
-    "signal on the circuit's Q/K/V/O and optimum tracking (dθ*/dg = −H⁻¹A by MINRES on Hessian-vector products) along "
+    "signal on the circuit's Q/K/V/O and optimum tracking (dθ*/dg = −(G + λI)⁻¹A, damped Gauss-Newton, by CG; docs/CONTINUATION.md) along "
     "fade600->0, hard_switch1050, forced_zero, unforced, posthoc (assoc_recall) and fade600->0, forced_zero (linear_icl)",
     _continuation_cells, analysis=_continuation_analysis))
 

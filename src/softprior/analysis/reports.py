@@ -172,7 +172,7 @@ def _cached_traces(store, jobs: list[tuple], workers: int = 1) -> list:
         return dict(snapshots=store.load_snapshots(cfg.run_id), cfg=cfg, circuit=heads, **kw)
 
     def keep(k, df):  # cached as soon as it is complete: an interrupted report keeps what it finished
-        if not df.empty:
+        if not df.empty:  # through the store (skipped where it cannot be written)
             store.write_cache(files[k].name, df.to_csv(index=False).encode())
         out[k] = df
     if workers <= 1:  # one run's snapshots in memory at a time
@@ -338,15 +338,20 @@ def continuation_claims_table(rows: list[dict]):
             m, s = _mean_std(r[key])
             if key == "tracking" and conv is not None and not all(conv):  # no evidence: empty
                 m = s = float("nan")
-            out.append({"row": r["row"], "column": f"{r['col']} {col}", "mean": m, "std": s})
+            vals = [x for x in r[key] if isinstance(x, (int, float)) and math.isfinite(x) and math.isfinite(m)]
+            out.append({"row": r["row"], "column": f"{r['col']} {col}", "mean": m, "std": s, "n": len(vals),
+                        "values": ";".join(f"{x:.6g}" for x in vals)})
         if conv is not None:
             out.append({"row": r["row"], "column": f"{r['col']} tangents converged",
-                        "mean": sum(map(bool, conv)) / len(conv) if conv else float("nan"), "std": 0.0})
+                        "mean": sum(map(bool, conv)) / len(conv) if conv else float("nan"), "std": 0.0,
+                        "n": len(conv), "values": ""})
     for col in dict.fromkeys(r["col"] for r in rows if r["metric"] == "acc"):
         rs = [r for r in rows if r["col"] == col]
         rho = spearman([_mean_std(r["share"])[0] for r in rs], [_mean_std(r["zero"])[0] for r in rs])
-        out.append({"row": "all paths", "column": f"{col} spearman(share, zero)", "mean": rho, "std": 0.0})
-    return pd.DataFrame(out, columns=["row", "column", "mean", "std"])
+        # one statistic over the paths, not a mean over seeds: no seed values, no interval (paper.py)
+        out.append({"row": "all paths", "column": f"{col} spearman(share, zero)", "mean": rho, "std": 0.0,
+                    "n": 1, "values": ""})
+    return pd.DataFrame(out, columns=["row", "column", "mean", "std", "n", "values"])
 
 
 def _continuation_verdict(rows: list[dict]) -> str:

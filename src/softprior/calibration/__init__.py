@@ -1,7 +1,7 @@
-"""Calibration as a search (issue 14): task design and initialisation chosen by the paper's
+"""Calibration as a search: task design and initialisation chosen by the paper's
 difficulty rows alone, pre-registered, then a robustness map of the paper's claims.
 
-- ``criteria``: the difficulty criteria and the paper's claims, as data;
+- ``criteria``: the difficulty criteria, as data (the claims: ``softprior.claims``);
 - ``space``: search spaces (TOML / JSON, pydantic-validated; shipped defaults in ``spaces/``);
 - ``search``: the Optuna search over candidates, run through the project's executors;
 - ``record``: pre-registration records and the store's refusal of unregistered prediction rows;
@@ -9,10 +9,10 @@ difficulty rows alone, pre-registered, then a robustness map of the paper's clai
 - ``report``: the table, figure and ``docs/CALIBRATION.md``.
 """
 
-from .criteria import CLAIMS, DIFFICULTY, Claim, Criterion, Row, claims_for, criteria_for, difficulty_rows
+from .criteria import DIFFICULTY, Criterion, Row, criteria_for, difficulty_rows
 from .record import CalibrationMissing, calibration_key, check_calibrated, shipped_records
 from .space import SearchSpace, SpaceError, load_space, shipped_spaces
 
-__all__ = ["CLAIMS", "DIFFICULTY", "Claim", "Criterion", "Row", "claims_for", "criteria_for", "difficulty_rows",
+__all__ = ["DIFFICULTY", "Criterion", "Row", "criteria_for", "difficulty_rows",
            "CalibrationMissing", "calibration_key", "check_calibrated", "shipped_records", "SearchSpace",
            "SpaceError", "load_space", "shipped_spaces"]

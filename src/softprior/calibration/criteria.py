@@ -1,4 +1,4 @@
-"""Difficulty criteria and the paper's claims, declared as data.
+"""Difficulty criteria, declared as data.
 
 Only the paper's *difficulty rows* (unforced and forced_zero: how hard the task is with and without
 the prior) may choose a calibration (docs/DESIGN.md, "Calibration"). They are ``Criterion`` objects: a
@@ -7,9 +7,8 @@ row (a path, plus a task override such as Markov's p), which accuracy is read (t
 bound (``target`` +- ``tol``, or ``lo`` / ``hi``), optionally measured relative to the task's
 order-free chance level (``vs_chance``).
 
-Every other row is a prediction. A ``Claim`` states one of the paper's claims as a predicate over
-prediction and difficulty rows (conditions joined by "and"); the robustness map counts in how many
-passing configurations each claim holds.
+Every other row is a prediction. The paper's claims are declared once, in ``softprior.claims``; the
+robustness map (``robustness.py``) decides them on each candidate as the verdicts do.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["Row", "Criterion", "Condition", "Claim", "DIFFICULTY", "CLAIMS", "criteria_for", "claims_for",
-           "difficulty_rows", "CriterionResult", "PAPER_ACCURACY"]
+__all__ = ["Row", "Criterion", "DIFFICULTY", "criteria_for", "difficulty_rows", "CriterionResult", "PAPER_ACCURACY"]
 
 
 class Row(BaseModel):
@@ -152,96 +150,8 @@ PAPER_ACCURACY: dict[str, list[tuple[Row, float]]] = {
 }
 
 
-class Condition(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    row: Row
-    gates: Literal["normal", "zero"] = "zero"
-    op: Literal[">=", "<="]
-    value: float | None = None
-    other: Row | None = Field(None, description="compare with this row's mean (plus ``value`` as a margin)")
-
-    def holds(self, means: dict[str, float]) -> bool | None:
-        x = means.get(f"{self.row.key}|{self.gates}")
-        if x is None:
-            return None
-        ref = self.value or 0.0
-        if self.other is not None:
-            y = means.get(f"{self.other.key}|{self.gates}")
-            if y is None:
-                return None
-            ref += y
-        return x >= ref if self.op == ">=" else x <= ref
-
-    def describe(self) -> str:
-        rhs = f"{self.other.key} {self.gates}" + (f" {self.value:+g}" if self.value else "") if self.other else f"{self.value:g}"
-        return f"{self.row.key} {self.gates} {self.op} {rhs}"
-
-
-class Claim(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    statement: str
-    task: str
-    conditions: tuple[Condition, ...]
-
-    def rows(self) -> list[Row]:
-        out = []
-        for c in self.conditions:
-            for r in (c.row, c.other):
-                if r is not None and r not in out:
-                    out.append(r)
-        return out
-
-    def holds(self, means: dict[str, float]) -> bool | None:
-        res = [c.holds(means) for c in self.conditions]
-        return None if None in res else all(res)
-
-    def describe(self) -> str:
-        return " and ".join(c.describe() for c in self.conditions)
-
-
-def _c(row, op, value=None, gates="zero", other=None):
-    return Condition(row=row, op=op, value=value, gates=gates, other=other)
-
-
-_FADE, _HS, _PH, _LIN = _row("fade600"), _row("hard_switch1050"), _row("posthoc"), _row("linear0.5->0")
-CLAIMS: list[Claim] = [
-    Claim(name="fade keeps", task="assoc_recall",
-          statement="a smooth fade to zero keeps zero-gate accuracy high while unforced collapses at zero gate",
-          conditions=(_c(_FADE, ">=", 0.6), _c(_U, "<=", 0.15))),
-    Claim(name="forced_zero fails", task="assoc_recall",
-          statement="zero-gate training from scratch does not learn the task (fade600 beats it by .3)",
-          conditions=(_c(_FADE, ">=", 0.3, other=_F),)),
-    Claim(name="hard switch loses", task="assoc_recall",
-          statement="an abrupt switch at step 1,050 keeps much less than the fade (paper .293 vs .734)",
-          conditions=(_c(_HS, "<=", -0.2, other=_FADE),)),
-    Claim(name="posthoc fails", task="assoc_recall",
-          statement="post hoc zero-gate continuation of an unforced model does not recover (paper .178)",
-          conditions=(_c(_PH, "<=", 0.3), _c(_PH, "<=", -0.2, other=_FADE))),
-    Claim(name="linear fade keeps", task="assoc_recall",
-          statement="a linear anneal 0.5->0 keeps zero-gate accuracy high (paper .617)",
-          conditions=(_c(_LIN, ">=", 0.5),)),
-    *[Claim(name=f"markov fade p={p}", task="markov",
-            statement=f"Markov induction at p={p}: the fade keeps a zero-gate circuit that forced_zero lacks",
-            conditions=(_c(_row("fade600", p=p), ">=", 0.1, other=_row("forced_zero", p=p)),))
-      for p in (0.2, 0.5, 0.8)],
-    # the paper says only that linear ICL is "a boundary case where forced_zero already learns"; our
-    # reading as a prediction: the fade then buys nothing at zero gate (query MSE/d, lower is better)
-    Claim(name="linear icl boundary", task="linear_icl",
-          statement="linear ICL is a boundary case: the fade's zero-gate MSE/d is no better than forced_zero's "
-                    "by more than .1 (our reading of the paper's qualitative claim)",
-          conditions=(_c(_FADE, ">=", -0.1, other=_F),)),
-]
-
-
 def criteria_for(task: str) -> list[Criterion]:
     return DIFFICULTY[task]
-
-
-def claims_for(task: str) -> list[Claim]:
-    return [c for c in CLAIMS if c.task == task]
 
 
 def difficulty_rows(task: str) -> list[Row]:

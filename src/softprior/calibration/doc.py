@@ -86,9 +86,13 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
              f"{', nearest ten' if len(passing) > 10 else ''}); rows {', '.join(r.key for r in prediction_rows(space.task))} "
              f"at {space.seeds} seeds.", "", "| claim | predicate | holds in | of measured | per configuration |",
              "|---|---|---|---|---|"]
+    mark = {True: "y", False: "n", "inconclusive": "~", None: "?"}
     for cl, yes, tot, res in counts:
-        per = ", ".join(f"{c.cid}:{'y' if r else ('n' if r is False else '?')}" for c, r in res)
-        lines.append(f"| {cl.statement} | {cl.describe()} | {yes} | {tot} | {per} |")
+        per = ", ".join(f"{c.cid}:{mark[r]}" for c, r in res)
+        pred = " and ".join(k.describe() for k in cl.conditions)
+        lines.append(f"| {cl.statement} | {pred} | {yes} | {tot} | {per} |")
+    lines += ["", "y: reproduced on that configuration (every condition's 95% interval over its seeds on its side), "
+              "n: not, ~: inconclusive, ?: not measured (`softprior.claims`)."]
     if figure:
         import os
         rel = os.path.relpath(Path(figure).resolve(), Path(doc).resolve().parent)

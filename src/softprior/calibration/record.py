@@ -30,11 +30,14 @@ __all__ = ["covering_records", "calibration_key", "make_record", "save_record", 
 
 def make_record(space, task_options: dict, model_options: dict, keys: list[str], measured: dict,
                 passes: bool, note: str = "") -> dict:
+    from ..claims import claims_spec
     from .criteria import criteria_for
     body = {"task": space.task, "space": space.name, "space_digest": space.digest,
             "task_options": task_options, "model_options": _jsonable(model_options),
             "keys": sorted(set(keys)), "criteria": [c.describe() for c in criteria_for(space.task)],
-            "measured": measured, "passes": passes, "note": note}
+            "measured": measured, "passes": passes, "note": note,
+            # the claims' predicates are registered (and hashed) before any prediction row runs
+            "claims": claims_spec()}
     body = json.loads(json.dumps(body))  # as it reads back from its file (tuples as lists), so it hashes the same
     body["registered_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     body["hash_scheme"] = HASH_SCHEME

@@ -1,7 +1,11 @@
-"""The robustness map (issue 14): the paper's prediction rows on every candidate that passes the
-difficulty criteria (or the ten nearest, if more pass), and per claim the number of passing
-configurations in which it holds. Run only after the search's choice is pre-registered: the map is a
+"""The robustness map: the paper's prediction rows on every candidate that passes the difficulty
+criteria (or the ten nearest, if more pass), and per claim the number of passing configurations in
+which it is reproduced. Run only after the search's choice is pre-registered: the map is a
 prediction, it never feeds back into the choice.
+
+The claims are the paper's own declaration (``softprior.claims.CLAIMS``, those marked ``map``),
+decided on each candidate exactly as the verdicts are (intervals over the candidate's seeds); the
+rows a candidate trains are the base-model rows those claims read (``Cond.as_row``).
 
 Also trains fade600->0 at seed 0 on every other measured candidate, for the figure (difficulty
 distance against fade600 zero-gate accuracy).
@@ -11,21 +15,30 @@ from __future__ import annotations
 
 import math
 
-from .criteria import Row, claims_for
+from ..claims import claims_for_task, verdicts
+from .criteria import Row, difficulty_rows
 from .record import store_records
-from .search import candidate_configs
+from .search import candidate_configs, ceiling
 
-__all__ = ["prediction_rows", "run_robustness", "claim_counts", "fade_row"]
+__all__ = ["prediction_rows", "run_robustness", "claim_counts", "fade_row", "claim_rows"]
 
-_PRED = {"assoc_recall": ["fade600", "hard_switch1050", "posthoc", "linear0.5->0"],
-         "markov": ["fade600"], "linear_icl": ["fade600"]}
-_MARKOV_P = (0.2, 0.5, 0.8)
+
+def claim_rows(task: str) -> list[Row]:
+    """Every base-model row the mapped claims about ``task`` read, in declaration order."""
+    out: list[Row] = []
+    for cl in claims_for_task(task):
+        for cond in cl.conditions:
+            for path, opts, _ in cond.as_row() or []:
+                r = Row(path=path, task=opts)
+                if r not in out:
+                    out.append(r)
+    return out
 
 
 def prediction_rows(task: str) -> list[Row]:
-    if task == "markov":
-        return [Row(path=p, task={"p": q}) for p in _PRED[task] for q in _MARKOV_P]
-    return [Row(path=p) for p in _PRED[task]]
+    """The rows the map trains: those the claims read that the search did not train (difficulty rows)."""
+    diff = difficulty_rows(task)
+    return [r for r in claim_rows(task) if r not in diff]
 
 
 def fade_row(task: str) -> Row:
@@ -73,7 +86,8 @@ def run_robustness(space, store, cands, *, executor="local", workers=1, group_si
                    sweep_bar=progress, require_calibration=False)
 
 
-def _means(space, store, c, seeds, rows, steps):
+def _values(space, store, c, seeds, rows, steps) -> dict[str, list[float]]:
+    """"row key|gates" -> per-seed values of a candidate's stored rows (complete rows only)."""
     out = {}
     for row, s, cfg in candidate_configs(space, c.task_options, c.model_options, seeds, rows=rows, steps=steps):
         if not store.is_done(cfg.run_id):
@@ -81,21 +95,49 @@ def _means(space, store, c, seeds, rows, steps):
         sm = store.summary(cfg.run_id)
         for g in ("normal", "zero"):
             out.setdefault(f"{row.key}|{g}", []).append(sm[f"{g}_{sm['metric']}"])
-    return {k: sum(v) / len(v) for k, v in out.items() if len(v) == len(seeds)}
+    return {k: v for k, v in out.items() if len(v) == len(seeds)}
+
+
+def candidate_tables(space, c, values: dict[str, list[float]]) -> dict:
+    """The mapped claims' cells for one candidate, in the shape ``claims.verdicts`` reads
+    (experiment -> (row, column[, key]) -> value), from its per-seed values."""
+    tables: dict = {}
+    for cl in claims_for_task(space.task):
+        for cond in cl.conditions:
+            cells = [(cond.row, cond.column)] + ([cond.other] if cond.other else [])
+            for (rname, col), (path, opts, gates) in zip(cells, cond.as_row() or []):
+                row = Row(path=path, task=opts)
+                vals = values.get(f"{row.key}|{gates}")
+                if not vals:
+                    continue
+                t = tables.setdefault(cond.experiment, {})
+                t[(rname, col)] = sum(vals) / len(vals)
+                t[(rname, col, "values")] = list(vals)
+                t[(rname, col, "n")] = float(len(vals))
+                t[(rname, col, "ceiling")] = ceiling(space, c.task_options, c.model_options, row)[0]
+    return tables
 
 
 def claim_counts(space, store, cands, steps: int | None = None):
-    """[(claim, holds_in, measured_in, per-candidate results)] over the mapped candidates."""
+    """[(claim, reproduced_in, measured_in, per-candidate verdicts)] over the mapped candidates; a
+    per-candidate verdict is True (reproduced), False (any other decided verdict), "inconclusive",
+    or None (not measured)."""
     seeds = list(range(space.seeds))
-    rows = prediction_rows(space.task)
+    names = {cl.name for cl in claims_for_task(space.task)}
     per = []
     for c in mapped(space, cands):
-        means = dict(c.means)
-        means.update(_means(space, store, c, seeds, rows, steps))
-        per.append((c, means))
+        vals = _values(space, store, c, seeds, claim_rows(space.task), steps)
+        for k, v in (c.values or {}).items():  # the search's own measurements of the difficulty rows
+            if len(v) == len(seeds):
+                vals.setdefault(k, list(v))
+        per.append((c, {cl.name: v for cl, v, _ in verdicts(candidate_tables(space, c, vals)) if cl.name in names}))
     out = []
-    for cl in claims_for(space.task):
-        res = [(c, cl.holds(m)) for c, m in per]
+    for cl in claims_for_task(space.task):
+        res = []
+        for c, vs in per:
+            v = vs[cl.name]
+            res.append((c, None if v == "not measured" else True if v == "reproduced"
+                        else "inconclusive" if v.startswith("inconclusive") else False))
         out.append((cl, sum(r is True for _, r in res), sum(r is not None for _, r in res), res))
     return out
 
