@@ -380,3 +380,21 @@ def test_gpsa_computes_in_the_models_dtype():
     got = s.pos_scores(pos, pos)
     d = (pos[:, None] - pos[None, :]).to(torch.float64)
     assert got.dtype == torch.float64 and torch.equal(got, (w[:, 0, None, None] * d + w[:, 1, None, None] * d * d))
+
+
+def test_rope_computes_in_the_models_dtype():
+    """RoPE's angles in a float64 model: cos/sin of t / 10000^(2k/dh) in float64, worked out here (float32
+    angles were 1.7e-6 off by t = 119). The fast path reads the same tables."""
+    s = scheme("rope")
+    pos = torch.arange(120)
+    cos, sin = s.angles(pos, "cpu", torch.float64)
+    want = torch.tensor([[math.cos(t / 10000 ** (2 * k / 16)) for k in range(8)] for t in range(120)],
+                        dtype=torch.float64)
+    assert cos.dtype == torch.float64 and torch.allclose(cos, want, rtol=0, atol=1e-13)
+    assert torch.allclose(sin, torch.tensor([[math.sin(t / 10000 ** (2 * k / 16)) for k in range(8)]
+                                             for t in range(120)], dtype=torch.float64), rtol=0, atol=1e-13)
+    q = torch.randn(1, 4, 120, 16, dtype=torch.float64)
+    rq, _ = s.rotate(q, q, pos, pos)
+    x1, x2 = q[..., :8], q[..., 8:]
+    assert torch.allclose(rq, torch.cat([x1 * want - x2 * sin, x1 * sin + x2 * want], -1), rtol=0, atol=1e-12)
+    assert s.angles(pos, "cpu")[0].dtype == torch.float32

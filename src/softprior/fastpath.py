@@ -178,7 +178,7 @@ def _rope_tables(cfg: ModelConfig, T: int, dtype, device):
         return None
     scheme = _scheme_module(cfg.positional, "rotate", cfg.n_heads, cfg.d_head, cfg.d_model, cfg.n_ctx, 0,
                             cfg.n_layers).scheme
-    cos, sin = scheme.angles(torch.arange(T, device=device), device)
+    cos, sin = scheme.angles(torch.arange(T, device=device), device, dtype)
     return cos.to(dtype), sin.to(dtype)
 
 

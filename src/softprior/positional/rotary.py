@@ -41,15 +41,17 @@ class RoPE(PositionalScheme):
             raise ValueError(f"rope needs an even head dimension, got d_head={self.d_head}")
         self.base = base
 
-    def angles(self, pos: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of t w_k at positions ``pos``, each (T, dh/2), float32 (also read by the fast path)."""
+    def angles(self, pos: torch.Tensor, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of t w_k at positions ``pos``, each (T, dh/2), computed in float32, or in float64 for a
+        float64 model (the model's dtype; also read by the fast path)."""
+        dt = torch.float64 if dtype == torch.float64 else torch.float32
         half = self.d_head // 2
-        inv_freq = self.base ** (-torch.arange(half, device=device, dtype=torch.float32) * 2 / self.d_head)
-        angle = pos.to(device=device, dtype=torch.float32)[:, None] * inv_freq  # (T, dh/2)
+        inv_freq = self.base ** (-torch.arange(half, device=device, dtype=dt) * 2 / self.d_head)
+        angle = pos.to(device=device, dtype=dt)[:, None] * inv_freq  # (T, dh/2)
         return angle.cos(), angle.sin()
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.angles(pos, x.device)
+        cos, sin = self.angles(pos, x.device, x.dtype)
         return rotate_pairs(x, cos.to(x.dtype), sin.to(x.dtype), self.d_head)
 
     def rotate(self, q, k, qpos, kpos):
