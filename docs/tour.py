@@ -22,8 +22,10 @@
 # and read the run store as a DataFrame.
 #
 # **Budget.** `STEPS` (default 3,600, the paper's) and `SEEDS` (default 3) below. At the default, the
-# first run trains 10 runs in about 2-3 minutes on 2 cores (two worker processes); they are kept in
-# the store `tour_runs/` (next to this notebook), so running it again trains nothing. CI runs it with
+# first run trains 10 runs on two worker processes: about 2.5 minutes on a quiet 2-core machine
+# (estimated from the main job's measured 106 s for its 9 runs), 9.5 minutes measured on 2 cores
+# shared with a busy background job. The runs are kept in the store `tour_runs/` (next to this
+# notebook), so running it again trains nothing. CI runs it with
 # `SOFTPRIOR_TOUR_STEPS=24`: every schedule is then scaled to the budget (as `--quick` does) and the
 # numbers only show that every cell runs.
 #
@@ -143,7 +145,9 @@ display(Image(filename=str(OUT / "figure.png")))
 # %% [markdown]
 # Over training: normal (blue) and zero-gate (red) accuracy, the fade window shaded. For `fade600`
 # watch the red line during and after the fade: whatever zero-gate accuracy it ends with is what the
-# fade kept plus what training at g = 0 built on it.
+# fade kept plus what training at g = 0 built on it. In our runs it is still near chance when the fade
+# ends (step 1,050) and climbs over the 2,550 steps at g = 0 that follow, while `forced_zero`, at
+# g = 0 from the start, barely leaves chance.
 
 # %% tags=["curves"]
 display(Image(filename=str(OUT / "curves.png")))
@@ -165,10 +169,12 @@ for p, model in models.items():
         print(f"{p:<12} {name:<13} acc {evaluate(model, task, val.inputs, val.targets, *gates)['acc']:.3f}")
 
 # %% [markdown]
-# Attention at zero gate on one example, seed 0 of each path (rows: paths; columns: layer and head).
-# A head that reads the answer at zero gate attends from the last position to the value after the
-# queried key; a model that relied on the prior shows no such pattern once it is removed.
-# (With `circuitsvis` installed, `circuitsvis.attention.attention_patterns` draws them interactively.)
+# Attention at zero gate on one example, seed 0 of each path (rows: paths; columns: layer and head;
+# each panel is query position down, key position across). Sharp structure, such as a line just
+# below the diagonal (attention to the previous token), is a head doing something specific without
+# the prior; diffuse bands are not. Which heads the zero-gate accuracy depends on is section 5's
+# question. (With `circuitsvis` installed, `circuitsvis.attention.attention_patterns` draws them
+# interactively.)
 
 # %% tags=["attention"]
 from softprior.analysis import attention_patterns
