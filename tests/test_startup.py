@@ -36,14 +36,27 @@ def test_help_and_paths_do_not_import_torch(argv, shows):
     assert not r["torch"], f"softprior {' '.join(argv)} imported torch"
 
 
-@pytest.mark.xfail(strict=True, reason="tasks.py imports torch at module level, and experiments.py imports it "
-                   "through config.py -> model.py: their listings need the task and model configs split from the "
-                   "torch code (files owned elsewhere); remove this mark when they are")
 @pytest.mark.parametrize("argv", [["tasks"], ["experiments"]], ids=lambda a: a[0])
 def test_listings_do_not_import_torch(argv):
     r = fresh(RUN, json.dumps(argv))
     assert r["rc"] == 0 and r["out"]
     assert not r["torch"], f"softprior {' '.join(argv)} imported torch"
+
+
+def test_tasks_lists_options_and_the_closed_form_ceiling():
+    """``softprior tasks`` names every option with its choices and the associative-recall ceiling of
+    the registered default, computed here from the shipped record: E[1/m] = (1-(1-1/K)^n) K/n with
+    keys drawn with replacement and the uniform rule, else 1."""
+    import softprior.records as rec
+    r = fresh(RUN, json.dumps(["tasks"]))
+    opts = rec.default_options("assoc_recall")[0]
+    K, n = opts.get("n_keys", 15), opts.get("n_pairs", 10)
+    want = (1 - (1 - 1 / K) ** n) * K / n if opts.get("keys") == "replacement" and \
+        opts.get("repeat_target", "uniform") == "uniform" else 1.0
+    line = next(x for x in r["out"].splitlines() if x.startswith("assoc_recall"))
+    assert f"ceiling of the default {want:.3f}" in line and f"copying a random value: {1 / n:.3f}" in line
+    assert "keys='distinct' {distinct|replacement}" in line and "repeat_target=" in line
+    assert "answer='successor' {successor|recent}" in r["out"] and "format='interleaved' {interleaved|paired}" in r["out"]
 
 
 def test_import_softprior_is_light_and_its_api_whole():

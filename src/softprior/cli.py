@@ -39,7 +39,7 @@ class _HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):
         text = super()._get_help_string(action)
         if "{model_presets}" in text:
-            from .model import MODEL_PRESETS
+            from .model_config import MODEL_PRESETS
             text = text.replace("{model_presets}", ", ".join(MODEL_PRESETS))
         return text
 
@@ -580,8 +580,31 @@ def cmd_paths(args) -> int:
 
 
 def cmd_tasks(args) -> int:
-    from .tasks import list_tasks
-    return _print_rows(list_tasks())
+    """Each task, its options and the Bayes ceiling of its registered default (closed form, no torch);
+    ``--ceilings``: every default's ceiling or references measured (Monte Carlo where there is no
+    closed form: Markov at each p, linear ICL's least squares, Bayes ridge and one GD step)."""
+    from .records import default_options
+    from .task_configs import TASK_CONFIGS, describe_tasks
+    defaults = {t: default_options(t)[0] for t in TASK_CONFIGS}
+    _print_rows(describe_tasks(defaults))
+    if not args.ceilings:
+        return 0
+    import torch
+
+    from .tasks import make_task, task_config
+    print("\nmeasured on the registered defaults (Monte Carlo: seed 0, standard error beside):")
+    for name, opts in defaults.items():
+        if name == "linear_icl":
+            task = make_task(task_config(name, **opts))
+            ref = task.reference_mse(task.sample(4096, 32, torch.Generator().manual_seed(0)))
+            print(f"  {name}: query MSE / E[y^2]: " + ", ".join(f"{k} {v:.4f}" for k, v in ref.items())
+                  + " (the zero predictor: 1.0)")
+            continue
+        for p in ((0.2, 0.5, 0.8) if name == "markov" else (None,)):
+            task = make_task(task_config(name, **opts, **({"p": p} if p is not None else {})))
+            acc, se = task.bayes_accuracy()
+            print(f"  {name}{f' p={p}' if p is not None else ''}: Bayes ceiling {acc:.3f}" + (f" ± {se:.3f}" if se else ""))
+    return 0
 
 
 # ------------------------------------------------------------------------------------------ parser
@@ -713,7 +736,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--store", default="runs")
     sv.set_defaults(fn=cmd_store_verify)
     sub.add_parser("paths", help="list training paths").set_defaults(fn=cmd_paths)
-    sub.add_parser("tasks", help="list tasks").set_defaults(fn=cmd_tasks)
+    tk = sub.add_parser("tasks", help="list tasks, their options and ceilings")
+    tk.add_argument("--ceilings", action="store_true", help="also measure every default's Bayes ceiling "
+                    "(Monte Carlo where there is no closed form; imports torch)")
+    tk.set_defaults(fn=cmd_tasks)
     return p
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .model import ModelConfig, model_preset
+from .model_config import ModelConfig, model_preset
 from .paths import PathConfig, get_path
 from .records import LATER_DEFAULTS, default_options
-from .tasks import TaskConfig, task_config
+from .task_configs import TaskConfig, task_config
 
 __all__ = ["RunConfig", "make_run_config", "config_hash", "NON_SEMANTIC_FIELDS"]
 

@@ -76,20 +76,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Annotated, Literal, Union
-
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .registry import Registry
+from .task_configs import (TASK_CONFIGS, AssocRecallConfig, LinearICLConfig, MarkovConfig, TaskConfig,  # noqa: F401
+                           UnknownTaskError, task_config)
 
 __all__ = ["AssocRecallConfig", "MarkovConfig", "LinearICLConfig", "TaskConfig", "Batch", "Task",
            "make_task", "TASKS", "list_tasks", "UnknownTaskError"]
-
-
-class UnknownTaskError(ValueError):
-    pass
 
 
 @dataclass
@@ -98,88 +93,6 @@ class Batch:
     targets: torch.Tensor  # [B] long (token tasks) or [B, P] float (linear ICL, one per x position)
 
 
-class _TaskBase(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class AssocRecallConfig(_TaskBase):
-    name: Literal["assoc_recall"] = "assoc_recall"
-    n_pairs: int = Field(10, ge=2)
-    vocab: int = Field(32, ge=5)
-    n_keys: int = Field(15, ge=2, description="keys are tokens 1..n_keys (0 is PAD); layout='disjoint' only")
-    layout: Literal["disjoint", "pool"] = Field(
-        "disjoint", description="disjoint key/value halves, or one pool of tokens 1..vocab-1 for both")
-    n_queries: int = Field(1, ge=1, description="distinct keys queried at the end of the sequence (MQAR-style)")
-    loss_on: Literal["last", "queries"] = Field("last", description="loss on the final query, or on every query")
-    placement: Literal["packed", "spread"] = Field(
-        "packed", description="pairs adjacent, or spread over two-token slots with PAD filler between them")
-    keys: Literal["distinct", "replacement"] = Field(
-        "distinct", description="keys distinct in a sequence, or drawn i.i.d. from a key set of n_keys tokens")
-    repeat_target: Literal["uniform", "first", "last"] = Field(
-        "uniform", description="keys='replacement': the queried pair's value, or the first / last occurrence's")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _normalise(cls, data):
-        """One query: loss on the queries is loss on the last, so both spell the same config (one run id);
-        with distinct keys no key repeats, so every ``repeat_target`` spells the same config too."""
-        if isinstance(data, dict) and data.get("n_queries", 1) == 1 and data.get("loss_on") == "queries":
-            data = {**data, "loss_on": "last"}
-        if isinstance(data, dict) and data.get("keys", "distinct") == "distinct" and "repeat_target" in data:
-            data = {**data, "repeat_target": "uniform"}
-        return data
-
-    @model_validator(mode="after")
-    def _check(self):
-        distinct = self.keys == "distinct"
-        if self.layout == "disjoint":
-            n_values = self.vocab - 1 - self.n_keys
-            if n_values < self.n_pairs or (distinct and self.n_keys < self.n_pairs):
-                raise ValueError(f"n_pairs={self.n_pairs} needs vocab-1-n_keys (={n_values})"
-                                 + (" and n_keys" if distinct else "") + " >= n_pairs")
-        elif distinct and 2 * self.n_pairs > self.vocab - 1:
-            raise ValueError(f"layout='pool' needs 2*n_pairs <= vocab-1, got n_pairs={self.n_pairs}, vocab={self.vocab}")
-        elif not distinct and self.n_keys + self.n_pairs > self.vocab - 1:
-            raise ValueError(f"layout='pool' with keys='replacement' needs n_keys+n_pairs <= vocab-1, got "
-                             f"n_keys={self.n_keys}, n_pairs={self.n_pairs}, vocab={self.vocab}")
-        if self.n_queries > self.n_pairs:
-            raise ValueError(f"n_queries={self.n_queries} must be <= n_pairs={self.n_pairs}")
-        return self
-
-
-class MarkovConfig(_TaskBase):
-    name: Literal["markov"] = "markov"
-    p: float = Field(0.5, gt=0.0, le=1.0)
-    vocab: int = Field(32, ge=4)
-    loss_on: Literal["final", "determined"] = Field(
-        "final", description="loss on the final prediction, or next-token loss wherever the successor is determined")
-    query: Literal["distinct", "occurrence"] = Field(
-        "distinct", description="final token uniform over distinct tokens with an occurrence, or over occurrences")
-    answer: Literal["successor", "recent"] = Field(
-        "successor", description="target: the successor s(a) shown earlier, or what followed a's most recent occurrence")
-
-
-class LinearICLConfig(_TaskBase):
-    name: Literal["linear_icl"] = "linear_icl"
-    d: int = Field(5, ge=1)
-    n_points: int | None = Field(None, ge=1, description="in-context points; None: as many as fit in the format")
-    format: Literal["interleaved", "paired"] = Field(
-        "interleaved", description="x and y tokens in turn, or one [x; y] token per example and the query [x; 0]")
-    w_scale: Literal["unit", "inv_d"] = Field("unit", description="w ~ N(0, I) or N(0, I/d)")
-    noise: float = Field(0.0, ge=0.0, description="std of Gaussian label noise")
-
-    @property
-    def d_in(self) -> int:
-        """The model's input width: d (interleaved, y in the first slot of its own token) or d + 1."""
-        return self.d + (self.format == "paired")
-
-    @property
-    def y_var(self) -> float:
-        """E[y^2]: the zero predictor's squared error, the metric's unit."""
-        return self.d * (1.0 if self.w_scale == "unit" else 1.0 / self.d) + self.noise ** 2
-
-
-TaskConfig = Annotated[Union[AssocRecallConfig, MarkovConfig, LinearICLConfig], Field(discriminator="name")]
 
 
 class Task:
@@ -316,11 +229,7 @@ class AssocRecall(_TokenTask):
         = (1 - (1 - 1/K)^n) K / n (the binomial identity sum C(n-1,j)/(j+1) a^j b^(n-1-j) =
         ((a+b)^n - b^n) / (n a)). Several distinct queried pairs (Q > 1) leave the last one uniform.
         ``n`` and ``seed`` are unused (the interface of tasks whose ceiling is Monte Carlo)."""
-        c = self.cfg
-        if c.keys == "distinct" or c.repeat_target != "uniform":
-            return 1.0, 0.0
-        K, m = c.n_keys, c.n_pairs
-        return (1.0 - (1.0 - 1.0 / K) ** m) * K / m, 0.0
+        return self.cfg.ceiling(), 0.0
 
     def heuristic_accuracy(self) -> float:
         """Copying a random value from the context: 1 / n_pairs (the values are distinct)."""
@@ -584,19 +493,14 @@ class LinearICL(Task):
         return LinearICL(LinearICLConfig(d=d)).reference_mse(batch)["least_squares"]
 
 
+_TASK_CLASSES = {"assoc_recall": AssocRecall, "markov": Markov, "linear_icl": LinearICL}
 TASKS = Registry("task", UnknownTaskError, {  # name -> (config class, task class, description)
-    "assoc_recall": (AssocRecallConfig, AssocRecall, "key/value pairs then a query key; predict its value (acc)"),
-    "markov": (MarkovConfig, Markov, "Markov induction: per-sequence successor map, repeat prob p (acc)"),
-    "linear_icl": (LinearICLConfig, LinearICL, "in-context linear regression, Garg et al. 2022 (query MSE / d)"),
+    name: (cls, _TASK_CLASSES[name], desc) for name, (cls, desc) in TASK_CONFIGS.items()
 }, describe=lambda entry: entry[2])
 
 
 def make_task(cfg) -> Task:
     return TASKS[cfg.name][1](cfg)
-
-
-def task_config(name: str, **overrides):
-    return TASKS[name][0](**overrides)
 
 
 def list_tasks() -> list[tuple[str, str]]:

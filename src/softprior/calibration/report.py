@@ -26,12 +26,15 @@ def candidates_table(space, cands, fade: dict | None = None) -> str:
     """Markdown: one line per candidate, the difficulty rows' per-seed values, distance and status."""
     rows = difficulty_rows(space.task)
     cols = [(r, g) for r in rows for g in ("normal", "zero")]
-    head = ["id", "candidate (axes)", "status", "distance"] + [f"{r.key} {g}" for r, g in cols] + ["circuit forms at (unforced)"]
+    ref = "references (LS / Bayes / 1 GD step)" if space.task == "linear_icl" else "Bayes ceiling"
+    head = (["id", "candidate (axes)", "status", "distance", ref] + [f"{r.key} {g}" for r, g in cols]
+            + ["circuit forms at (unforced)"])
     if fade is not None:
         head.append("fade600 zero (seed 0)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in sorted(cands, key=lambda c: (c.status in ("infeasible", "interrupted"), c.distance if not math.isnan(c.distance) else 9e9, c.cid)):
-        cells = [c.cid, c.label, c.status + (f" ({c.error[:60]})" if c.error else ""), _fmt(c.distance)]
+        cells = [c.cid, c.label, c.status + (f" ({c.error[:60]})" if c.error else ""), _fmt(c.distance),
+                 candidate_reference(space, c)]
         for r, g in cols:
             v = c.values.get(f"{r.key}|{g}")
             cells.append(" / ".join(f"{x:.2f}" for x in v) if v else "-")
@@ -40,6 +43,27 @@ def candidates_table(space, cands, fade: dict | None = None) -> str:
             cells.append(_fmt(fade.get(c.cid)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def candidate_reference(space, c) -> str:
+    """A candidate's ceiling: the Bayes accuracy of its task (Markov: at p = .2 / .5 / .8, Monte Carlo),
+    or for linear ICL the query MSE / E[y^2] of least squares, the Bayes posterior mean and one step
+    of gradient descent (on 2,048 sequences, seed 0); "-" where the task options are infeasible."""
+    import torch
+
+    from ..tasks import make_task
+    from .search import candidate_configs, ceiling
+    try:
+        if space.task == "linear_icl":
+            cfg = candidate_configs(space, c.task_options, c.model_options, [0])[0][2]
+            task = make_task(cfg.task)
+            r = task.reference_mse(task.sample(2048, cfg.model.n_ctx, torch.Generator().manual_seed(0)))
+            return f"{r['least_squares']:.3f} / {r['bayes']:.3f} / {r['gd_step']:.3f}"
+        vals = [ceiling(space, c.task_options, c.model_options, r)[0] for r in difficulty_rows(space.task)
+                if r.path == "unforced"]
+        return " / ".join(f"{v:.3f}" for v in dict.fromkeys(vals))
+    except ValueError:
+        return "-"
 
 
 def _sort_key(v):
