@@ -281,7 +281,9 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     for m, table in (("base", scaling),) + ((("large", large),) if not quick else ()):
         log(f"  saved to {save_group_scaling(table, m)}; --group auto picks K={choose_group_size(10 ** 6, 1, table)} "
             f"for a large sweep of the {m} model")
-    return {"group_scaling_ms": {str(k): v for k, v in scaling.items()},
+    start = startup_seconds()
+    log("start-up, fresh interpreter (median of 3): " + ", ".join(f"softprior {k} {v:.2f} s" for k, v in start.items()))
+    return {"startup_s": start, "group_scaling_ms": {str(k): v for k, v in scaling.items()},
             "group_scaling_large_ms": {str(k): v for k, v in large.items()},
             "gemm_gflops": round(gemm, 2), "model_gflop_per_step": round(flops / 1e9, 4),
             "single_ms_per_step": round(single, 3), "reference_ms_per_step": round(reference, 3),
@@ -295,6 +297,24 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
                                      "single_ms_samples": [round(x, 3) for x in samples[th][0]],
                                      "reference_ms_samples": [round(x, 3) for x in samples[th][1]]}
                            for th, (o, r) in med.items()}}
+
+
+def startup_seconds(commands=("--help", "paths", "tasks", "experiments"), reps: int = 3) -> dict[str, float]:
+    """Wall time of ``softprior COMMAND`` in a fresh interpreter (the median of ``reps``): the listings
+    and --help import no torch, so they answer in a fraction of a second."""
+    import statistics
+    import subprocess
+    import sys
+    out = {}
+    for c in commands:
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-c", "import sys; from softprior.cli import main; sys.exit(main(sys.argv[1:]))", c],
+                           capture_output=True, check=False)
+            ts.append(time.perf_counter() - t)
+        out[c] = round(statistics.median(ts), 3)
+    return out
 
 
 def _large_line(ref_mod, quick: bool, thread_counts, log) -> tuple[float, float, dict]:
