@@ -2,6 +2,11 @@
 
 Nothing here trains: "normal"/"zero" numbers come from each run's stored summary; other evaluations
 (gate overrides, other lengths) are computed from the stored weights on the run's validation seed.
+Every function reads a *source*: a run store, or a results bundle that answers the same questions
+from files (``softprior.bundle``: the evaluations that need weights are asked through ``bundle.ask``,
+so a bundle answers them with the values recorded when the report was written from the store).
+A run trained from a dirty tree (its summary's code version ends in ``+dirty``) enters only a table
+marked exploratory (``write_report(exploratory=True)``); otherwise ``DirtyRunsRefused`` names it.
 Outputs in OUT_DIR: table.md (mean ± std over seeds, the paper's value beside ours where the paper
 gives one), table.csv (mean, std, n per cell), figure.png (grouped bars: mean, SD whiskers and every
 seed as a point, the statistic and n in the legend, the chance line; one seed is a point alone) and
@@ -16,10 +21,16 @@ import math
 from pathlib import Path
 
 
+from .bundle import ask
 from .experiments import Cell, Eval, Experiment
 from .store import RunStore, StoreError
 
-__all__ = ["collect", "aggregate", "write_report", "evaluate_cell", "splice_into_doc"]
+__all__ = ["collect", "aggregate", "write_report", "evaluate_cell", "splice_into_doc", "dirty_runs", "check_clean",
+           "DirtyRunsRefused"]
+
+
+class DirtyRunsRefused(ValueError):
+    """Runs trained from a dirty tree (uncommitted changes) asked to enter a table not marked exploratory."""
 
 
 def splice_into_doc(doc: str | Path, name: str, md: str) -> None:
@@ -39,13 +50,22 @@ def splice_into_doc(doc: str | Path, name: str, md: str) -> None:
 
 
 def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = None) -> float:
-    from .tasks import make_task
-    from .train import evaluate
+    """``cell``'s run under ``ev``: from its summary ("normal", "zero"), else computed from its weights
+    (asked of the source as ``evaluation``: a bundle gives back the value it recorded)."""
     cfg = cell.cfg
     summary = store.summary(cfg.run_id)
     m = summary["metric"]
     if ev.from_summary:
         return float(summary[("zero_" if ev.gates == (0.0, 0.0) else "normal_") + m])
+    key = {"run": cfg.run_id, "gates": list(ev.gates) if ev.gates is not None else None, "length": ev.length,
+           "metric": m}
+    return float(ask(store, "evaluation", key, lambda: _evaluate_weights(store, cell, ev, m, _cache)))
+
+
+def _evaluate_weights(store, cell: Cell, ev: Eval, m: str, _cache: dict | None) -> float:
+    from .tasks import make_task
+    from .train import evaluate
+    cfg = cell.cfg
     key = cfg.run_id
     if _cache is not None and key in _cache:
         model = _cache[key]
@@ -68,12 +88,18 @@ def collect(store: RunStore, cells: list[Cell]):
         if not store.is_done(cell.cfg.run_id):
             continue
         metric = store.summary(cell.cfg.run_id)["metric"]
-        ceiling = task_ceiling(cell.cfg.task, ceilings)
+        ceiling = _ceiling(store, cell.cfg.task, ceilings)
         for ev in cell.evals:
             rows.append({"row": cell.row, "col": cell.col, "eval": ev.name, "seed": cell.cfg.seed, "metric": metric,
                          "value": evaluate_cell(store, cell, ev, cache), "run_id": cell.cfg.run_id,
                          "ceiling": ceiling})
     return pd.DataFrame(rows, columns=["row", "col", "eval", "seed", "metric", "value", "run_id", "ceiling"])
+
+
+def _ceiling(source, task_cfg, cache: dict) -> float:
+    """``task_ceiling`` asked of the source (a bundle gives back the ceiling it recorded)."""
+    return float(ask(source, "ceiling", {"task": task_cfg.model_dump(mode="json")},
+                     lambda: float(task_ceiling(task_cfg, cache))))
 
 
 def task_ceiling(task_cfg, _cache: dict | None = None) -> float:
@@ -186,9 +212,13 @@ def chance_levels(store: RunStore, cells: list[Cell]) -> dict[tuple[str, str], f
         for ev in cell.evals:
             level = chance
             if ev.length is not None:
-                key = cell.cfg.task.model_dump_json()
-                task = tasks.setdefault(key, make_task(cell.cfg.task))
-                level = task.chance_at(ev.length)
+                def chance_at(cfg=cell.cfg.task, length=ev.length):
+                    key = cfg.model_dump_json()
+                    if key not in tasks:
+                        tasks[key] = make_task(cfg)
+                    return float(tasks[key].chance_at(length))
+                level = ask(store, "chance", {"task": cell.cfg.task.model_dump(mode="json"), "length": ev.length},
+                            chance_at)
             if level is not None:
                 out.setdefault((cell.row, _label(cell.col, ev.name)), float(level))
     return out
@@ -496,15 +526,67 @@ def formation_table(store: RunStore, cells: list[Cell]):
     return df.astype({"formation_step": "Int64"})
 
 
-def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: str | Path) -> str:
-    """Write table.md, table.csv, figure.png (and curves.png) for ``exp``; return the markdown."""
+def dirty_runs(store: RunStore, cells: list[Cell]) -> list[tuple[Cell, str]]:
+    """(cell, code version) of every finished run of ``cells`` trained from a dirty tree: its summary's
+    code version (``provenance.code_version``) ends in ``+dirty`` (uncommitted changes to tracked files)."""
+    from .provenance import code_version
+    out, seen = [], set()
+    for c in cells:
+        if c.cfg.run_id in seen or not store.is_done(c.cfg.run_id):
+            continue
+        seen.add(c.cfg.run_id)
+        s = store.summary(c.cfg.run_id)
+        if "softprior_version" in s and code_version(s).endswith("+dirty"):
+            out.append((c, code_version(s)))
+    return out
+
+
+def _runs_text(dirty: list[tuple[Cell, str]], tables: list[list[str]] | None = None, at_most: int = 10) -> str:
+    """The first ``at_most`` runs by id, cell, seed and code version (and the ``tables`` each enters)."""
+    shown = [f"{c.cfg.run_id} ({' '.join(x for x in (c.row, c.col) if x)}, seed {c.cfg.seed}, code {v}"
+             + (f"; table {', '.join(tables[k])}" if tables else "") + ")" for k, (c, v) in enumerate(dirty[:at_most])]
+    return ", ".join(shown) + (f" and {len(dirty) - at_most} more" if len(dirty) > at_most else "")
+
+
+def check_clean(store: RunStore, tables: list[tuple[Experiment, list[Cell]]], exploratory: bool = False) -> None:
+    """``DirtyRunsRefused`` naming the runs trained from a dirty tree (``dirty_runs``) that would enter
+    one of ``tables`` ((experiment, cells) each), unless the tables are ``exploratory``."""
+    if exploratory:
+        return
+    found: dict[str, tuple[Cell, str, list[str]]] = {}
+    for exp, cells in tables:
+        for c, v in dirty_runs(store, cells):
+            found.setdefault(c.cfg.run_id, (c, v, []))[2].append(exp.name)
+    if found:
+        n = len(found)
+        raise DirtyRunsRefused(
+            f"{n} run{'s' if n > 1 else ''} trained from a dirty tree (uncommitted changes) cannot enter a table "
+            "that is not marked exploratory: " + _runs_text([(c, v) for c, v, _ in found.values()],
+                                                            [names for _, _, names in found.values()])
+            + ". Retrain them from a clean checkout (a new commit), or pass --exploratory to mark the tables "
+            "exploratory")
+
+
+def _exploratory_note(dirty: list[tuple[Cell, str]]) -> str:
+    return (f"**Exploratory table**: {len(dirty)} of its runs were trained from a dirty tree (uncommitted "
+            f"changes), so no commit reproduces them: {_runs_text(dirty)}.\n\n")
+
+
+def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: str | Path, *,
+                 exploratory: bool = False) -> str:
+    """Write table.md, table.csv, figure.png (and curves.png) for ``exp``; return the markdown.
+    ``store``: a run store or any source (``softprior.bundle``). A run trained from a dirty tree is
+    refused (``check_clean``) unless ``exploratory``, which marks the table exploratory instead."""
+    check_clean(store, [(exp, cells)], exploratory)
+    dirty = dirty_runs(store, cells)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     long = collect(store, cells)
     agg = aggregate(long)
     missing = sum(not store.is_done(c.cfg.run_id) for c in cells)
     description, smoke = describe(exp, agg), smoke_note(cells)
-    md = f"### {exp.name}\n\n{description}\n\n" + markdown_table(agg, exp.paper)
+    md = (f"### {exp.name}\n\n" + (_exploratory_note(dirty) if dirty else "") + f"{description}\n\n"
+          + markdown_table(agg, exp.paper))
     if smoke:
         md += f"\n**{smoke[0].upper() + smoke[1:]}**: a check that everything runs, not results.\n"
     if missing:

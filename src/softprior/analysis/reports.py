@@ -1,7 +1,9 @@
 """Reports of the mechanism experiments (mechanism traces and the continuation trace): tables,
 verdict paragraphs and figures computed from a run store's snapshots. They sit beside the measures
 they report (``softprior.analysis``) and take the store and cells as plain objects, so the
-experiment registry can name them without an import cycle through ``softprior.report``."""
+experiment registry can name them without an import cycle through ``softprior.report``. The store
+may be any source (``softprior.bundle``): what needs weights (a trace, a circuit) is asked through
+``bundle.ask``, which a results bundle answers from the files it recorded."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..bundle import ask, ask_many
 from .continuation import MAX_ITER, REL_DAMPING, TOL
 
 if TYPE_CHECKING:  # type names only (the cells live below the experiment registry, which imports this module)
@@ -38,8 +41,8 @@ def mechanism_report(store: RunStore, cells: list[Cell], out: Path, mass_thresho
              % (mass_threshold, ablation_threshold), "|---|---|---|---|---|"]
     fig, axes = plt.subplots(len(done), 2, figsize=(9, 2.6 * len(done)), squeeze=False)
     for i, c in enumerate(done):
-        snaps = store.load_snapshots(c.cfg.run_id)
-        df = trace(snaps, c.cfg)
+        df = ask(store, "mechanism_trace", {"run": c.cfg.run_id},
+                 lambda c=c: trace(store.load_snapshots(c.cfg.run_id), c.cfg), frame=True)
         df.to_csv(out / f"trace_seed{c.cfg.seed}.csv", index=False, float_format="%.6g")
         s = summarise_trace(df, mass_threshold, ablation_threshold)
         def head(h):
@@ -232,10 +235,15 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
             continue
         refs = [r for r in done if key(r) == key(c) and r.cfg.path.name.startswith("fade600")]
         ref = refs[0] if refs else c
-        _, model = store.load_model(ref.cfg.run_id)
-        task = make_task(ref.cfg.task)
-        batch = ref.cfg.validation_batch(task, n=n_examples)
-        circuits[key(c)] = (circuit_heads(model, task, batch, threshold), ref.row)
+
+        def heads(ref=ref):
+            _, model = store.load_model(ref.cfg.run_id)
+            task = make_task(ref.cfg.task)
+            return circuit_heads(model, task, ref.cfg.validation_batch(task, n=n_examples), threshold)
+        circuits[key(c)] = (ask(store, "circuit", {"run": ref.cfg.run_id, "n_examples": n_examples,
+                                                   "threshold": threshold}, heads,
+                                encode=lambda hs: [list(map(int, h)) for h in hs],
+                                decode=lambda hs: [tuple(h) for h in hs]), ref.row)
 
     def offset(c):
         parent = c.cfg.parent()
@@ -245,7 +253,9 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
                                               rel_damping=rel_damping))
             for c in done]
     frames = []
-    for c, df in zip(done, _cached_traces(store, jobs, workers)):
+    keys = [{"run": cfg.run_id, "heads": [list(map(int, h)) for h in heads], **kw} for cfg, heads, kw in jobs]
+    traces = ask_many(store, "continuation_trace", keys, lambda: _cached_traces(store, jobs, workers), frame=True)
+    for c, df in zip(done, traces):
         if df.empty:
             continue
         df.to_csv(out / f"continuation_{c.col or c.cfg.task.name}_{c.row}_seed{c.cfg.seed}.csv".replace("/", "_"),
