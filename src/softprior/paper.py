@@ -17,7 +17,7 @@ from .claims import (CLAIMS, CONFIDENCE, HIGH, Cond, PaperClaim, claims_spec, di
 
 __all__ = ["PAPER", "OURS", "Cond", "PaperClaim", "CLAIMS", "verdicts", "verdict_of", "claims_spec", "mean_interval",
            "difference_interval", "sd_interval", "verdict_table", "verdict_summary", "write_results_doc", "formation_summary",
-           "paper_cells", "write_reports"]
+           "paper_cells", "write_reports", "write_calibration_docs", "CALIBRATION_SPACES"]
 
 PAPER = ["removability", "paths", "causal_controls", "fade_window", "fade_shapes", "markov_paths", "linear_paths",
          "extra_controls", "static_baselines", "gate_interventions", "length_generalisation", "mechanism_trace",
@@ -169,14 +169,19 @@ def paper_cells(opts, names=None):
     return [(get_experiment(n), get_experiment(n).build(opts)) for n in (names or (PAPER + OURS))]
 
 
-def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=(), on_report=None) -> None:
+def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=(), on_report=None, bundle=None,
+                  exploratory: bool = False) -> None:
     """Every experiment's report (``report.write_report``) under ``out/NAME``. With ``workers`` > 1 in
     a process pool (spawn), the costliest first (the mechanism and continuation analyses of snapshot
     runs: half an hour of a whole-paper report on one core), each worker with its share of the cores.
     A report is a function of the store alone, so the files are the same either way. ``opts`` (the
     ``experiments.Options`` the cells were built with) and ``plugins`` rebuild the cells in a worker.
     ``on_report(name, started_at, seconds, runs)``: called as each report is written, with its wall time
-    (measured where it ran; the store's time ledger)."""
+    (measured where it ran; the store's time ledger).
+
+    ``store``: a run store or a results bundle (``bundle.BundleSource``). ``bundle``: the directory of a
+    bundle being written (``bundle.BundleWriter.dir``): each report records what it reads there, as part
+    NAME. ``exploratory``: tables may hold runs trained from a dirty tree, marked so (``write_report``)."""
     import time
 
     from .report import write_report
@@ -184,7 +189,7 @@ def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=(), on_re
     if workers <= 1 or len(exps) <= 1:
         for exp, cells in exps:
             started, t0 = time.time(), time.perf_counter()
-            write_report(store, exp, cells, out / exp.name)
+            _write_one(store, exp, cells, out / exp.name, bundle, exploratory, write_report)
             if on_report is not None:
                 on_report(exp.name, started, time.perf_counter() - t0, len(cells))
         return
@@ -194,7 +199,8 @@ def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=(), on_re
     threads = max(1, (os.cpu_count() or 1) // workers)
     order = sorted(exps, key=lambda e: _report_cost(e[1]), reverse=True)
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-        futs = {ex.submit(_report_one, str(store.root), exp.name, opts, tuple(plugins), str(out / exp.name), threads):
+        futs = {ex.submit(_report_one, _source_spec(store), exp.name, opts, tuple(plugins), str(out / exp.name),
+                          threads, str(bundle) if bundle is not None else None, exploratory):
                 (exp.name, len(cells)) for exp, cells in order}
         for f in as_completed(futs):
             started, seconds = f.result()  # a report's exception reaches the caller
@@ -209,7 +215,30 @@ def _report_cost(cells) -> float:
                for c in cells if c.cfg.snapshot_every) + len(cells)
 
 
-def _report_one(root: str, name: str, opts, plugins: tuple, out_dir: str, threads: int) -> tuple[float, float]:
+def _write_one(source, exp, cells, out_dir, bundle, exploratory: bool, write_report) -> None:
+    """One report, recorded as part ``exp.name`` of the bundle being written at ``bundle`` (if any)."""
+    from .bundle import Recorder
+    src = Recorder(source, bundle, exp.name) if bundle is not None else source
+    write_report(src, exp, cells, out_dir, exploratory=exploratory)
+    if bundle is not None:
+        src.close()
+
+
+def _source_spec(source) -> tuple[str, str]:
+    """How a worker opens the same source: ("bundle", its directory) or ("store", its root)."""
+    from .bundle import BundleSource
+    return ("bundle", str(source.root)) if isinstance(source, BundleSource) else ("store", str(source.root))
+
+
+def _open_source(spec: tuple[str, str]):
+    from .bundle import BundleSource
+    from .store import RunStore
+    kind, path = spec
+    return BundleSource(path) if kind == "bundle" else RunStore(path)
+
+
+def _report_one(spec: tuple[str, str], name: str, opts, plugins: tuple, out_dir: str, threads: int,
+                bundle: str | None = None, exploratory: bool = False) -> tuple[float, float]:
     """Write one report in a worker; returns (unix start, wall seconds) for the time ledger."""
     import time
     started, t0 = time.time(), time.perf_counter()
@@ -217,10 +246,32 @@ def _report_one(root: str, name: str, opts, plugins: tuple, out_dir: str, thread
 
     from .experiments import get_experiment, load_plugin
     from .report import write_report
-    from .store import RunStore
     torch.set_num_threads(threads)
     for f in plugins:
         load_plugin(f)
     exp = get_experiment(name)
-    write_report(RunStore(root), exp, exp.build(opts), out_dir)
+    _write_one(_open_source(spec), exp, exp.build(opts), out_dir, bundle, exploratory, write_report)
     return started, time.perf_counter() - t0
+
+
+# the calibration search spaces whose blocks docs/CALIBRATION.md holds (the shipped space of each task)
+CALIBRATION_SPACES = ("assoc_recall", "markov", "linear_icl")
+
+
+def write_calibration_docs(source, doc, out, spaces=CALIBRATION_SPACES, *, steps=None, bundle=None) -> list[str]:
+    """The generated blocks of ``doc`` (docs/CALIBRATION.md) for each search space of ``spaces`` (shipped
+    names or files) that was searched, and its outputs under ``out/calibration/SPACE``
+    (``calibration.doc.write_calibration``), from a store or a results bundle; with ``bundle`` (a bundle
+    being written) each space is recorded as part ``calibration-SPACE``. Returns the spaces written."""
+    from .bundle import Recorder
+    from .calibration import load_space
+    from .calibration.doc import write_calibration
+    done = []
+    for name in spaces:
+        space = load_space(name)
+        src = Recorder(source, bundle, f"calibration-{space.name}") if bundle is not None else source
+        if write_calibration(doc, src, space, Path(out) / "calibration" / space.name, steps=steps):
+            done.append(name)
+            if bundle is not None:
+                src.close()
+    return done

@@ -13,7 +13,7 @@ from .report import candidates_table, choose, criteria_text, formation_by_axis
 from .robustness import claim_counts, mapped, prediction_rows
 from .search import candidate_configs
 
-__all__ = ["register", "update_doc"]
+__all__ = ["register", "update_doc", "write_calibration"]
 
 
 def _nearest(cands):
@@ -104,3 +104,41 @@ def _fades(space, store, cands, steps):
     from .robustness import fade_points
     f = fade_points(space, store, cands, steps=steps)
     return f or None
+
+
+# ---------------------------------------------------------------- from a source (a store or a results bundle)
+def write_calibration(doc, source, space, out, *, steps=None) -> bool:
+    """Every generated block of ``space`` in ``doc`` (its registered record, the candidates, the
+    robustness map) and its outputs under ``out`` (candidates.md, .json, .png), from a source: a run
+    store (its Optuna study, records and runs) or a results bundle (``softprior.bundle``), which gives
+    back what was recorded when the same function ran on the store. False, writing nothing, for a
+    space never searched."""
+    from dataclasses import asdict
+
+    from ..bundle import ask
+    from ..records import verify_record
+    from .report import write_outputs
+    from .robustness import fade_points
+    from .search import Candidate, load_candidates
+    cands = ask(source, "calibration_candidates", {"space": space.name, "digest": space.digest},
+                lambda: load_candidates(space, source), encode=lambda cs: [asdict(c) for c in cs],
+                decode=lambda ds: [Candidate(**d) for d in ds])
+    if not cands:
+        return False
+    where = f"{getattr(source, 'root', 'the source')} (the record of search space {space.name})"
+    rec = ask(source, "calibration_record", {"space": space.name, "digest": space.digest},
+              lambda: registered_record(source, space), decode=lambda r: verify_record(r, where) if r else None)
+    fade = fade_points(space, source, cands, steps=steps) or None
+    files = write_outputs(space, cands, Path(out), fade)
+    if rec is not None:
+        from ..report import splice_into_doc
+        splice_into_doc(doc, f"calibration-record-{space.task}", _record_md(rec))
+    update_doc(doc, space, source, cands, steps=steps, figure=files.get("figure"))
+    return True
+
+
+def registered_record(store, space) -> dict | None:
+    """The record registered last for ``space`` (its name and digest) in the store, or None."""
+    recs = [r for r in store.calibration_records() if r.get("space") == space.name
+            and r.get("space_digest") == space.digest]
+    return max(recs, key=lambda r: (r.get("registered_at", ""), r["hash"])) if recs else None
