@@ -124,6 +124,10 @@ def _creatable(path: str, flag: str) -> Path:
             q = q.parent
     except (OSError, ValueError) as e:  # e.g. a NUL byte in the name
         raise CliError(f"{flag} {path!r} is not a usable path ({e})") from None
+    if q == p.absolute() and q.is_file():  # a file to rewrite (a --doc, a --readme)
+        if not os.access(q, os.W_OK):
+            raise CliError(f"{flag} {path!r} cannot be written: the file is read-only")
+        return p
     if not q.is_dir():
         raise CliError(f"{flag} {path!r} cannot be created: {str(q)!r} is a file, not a directory")
     if not os.access(q, os.W_OK):
@@ -175,7 +179,7 @@ def _write_report(args, exp, cells, store) -> None:
     from .report import splice_into_doc, write_report
     out = args.out or f"results/{exp.name}"
     started, t0 = time.time(), time.perf_counter()
-    md = write_report(store, exp, cells, out)
+    md = write_report(store, exp, cells, out, exploratory=args.exploratory)
     _record_report(store, exp.name, started, time.perf_counter() - t0, len(cells))
     if args.doc:
         splice_into_doc(args.doc, exp.name, md)
@@ -314,28 +318,76 @@ def _experiment(args):
     return exp, exp.build(opts)
 
 
+def _from_bundle(args):
+    """``report paper --from-bundle DIR``: the bundle as the source, and what it was written with (the
+    options, the experiments, the calibration spaces, exploratory or not, where the documents went,
+    relative to --out, by default the results directory the bundle sits in)."""
+    from .bundle import BundleSource
+    from .experiments import Options
+    source = BundleSource(args.from_bundle)
+    m = source.manifest
+    o = m["options"]
+    opts = Options(seeds=o["seeds"], quick=o["quick"], tasks=tuple(o["tasks"]) if o["tasks"] is not None else None)
+    given = {"--seeds": (args.seeds, opts.seeds), "--tasks": (args.tasks and tuple(
+        t.strip() for t in args.tasks.split(",")), opts.tasks), "--quick": (args.quick or None, opts.quick or None)}
+    for flag, (mine, theirs) in given.items():
+        if mine is not None and mine != theirs:
+            raise CliError(f"{flag}: the bundle {str(source.root)!r} was written with {flag} {theirs!r}; "
+                           "a bundle regenerates the documents it was written for (omit the flag)")
+    out = Path(args.out) if args.out else source.results_dir
+    docs = m.get("docs", {})
+
+    def where(flag_value, key):
+        return flag_value if flag_value is not None else (str(out / docs[key]) if docs.get(key) else None)
+    notes = source.results_dir / "NOTES.md"
+    if notes.is_file() and not (out / "NOTES.md").exists():  # the fixed prose of RESULTS.md
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "NOTES.md").write_text(notes.read_text())
+    return (source, opts, m["experiments"], out, where(args.doc, "results") or str(out / "RESULTS.md"),
+            where(args.readme, "readme"),
+            where(args.calibration_doc, "calibration"), [s["name"] for s in m.get("spaces", [])],
+            args.exploratory or bool(m.get("exploratory")))
+
+
 def _paper(args, train: bool) -> int:
-    """``reproduce paper`` / ``report paper``: every experiment, one sweep, every table, RESULTS.md."""
+    """``reproduce paper`` / ``report paper``: every experiment, one sweep, every table, RESULTS.md (and
+    CALIBRATION.md's blocks with --calibration-doc), and the results bundle ``OUT/bundle`` of everything
+    they read (``softprior.bundle``); or, with --from-bundle, the same documents from a bundle."""
     from pathlib import Path
 
     from .experiments import Options, load_plugin
-    from .paper import paper_cells, write_reports, write_results_doc
+    from .paper import (CALIBRATION_SPACES, OURS, PAPER, paper_cells, write_calibration_docs, write_reports,
+                        write_results_doc)
+    from .report import check_clean
     for f in args.plugin or []:
         load_plugin(f)
     if args.seeds is not None and args.seeds < 1:
         raise CliError(f"--seeds must be >= 1, got {args.seeds}")
     if args.workers < 1:
         raise CliError(f"--workers must be >= 1, got {args.workers}")
-    tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
-    opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks)
-    exps = paper_cells(opts)
-    _check_outputs(args, "results")
-    store = _store(args, read_only=not train)
-    out = Path(args.out or "results")
+    _doc_file(getattr(args, "calibration_doc", None), "--calibration-doc")
+    if getattr(args, "from_bundle", None):
+        store, opts, names, out, doc, readme, cal_doc, spaces, exploratory = _from_bundle(args)
+        exps = paper_cells(opts, names)
+        args.out = str(out)
+        _check_outputs(args, "results")
+        bundle = None
+    else:
+        tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
+        opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks)
+        names, exploratory = PAPER + OURS, args.exploratory
+        exps = paper_cells(opts, names)
+        _check_outputs(args, "results")
+        store = _store(args, read_only=not train)
+        out = Path(args.out or "results")
+        doc, readme, cal_doc = args.doc or str(out / "RESULTS.md"), args.readme, args.calibration_doc
+        spaces = CALIBRATION_SPACES
+        bundle = out / "bundle"
     failed = 0
     if train:
         from .executors import execute
         cfgs = list({c.cfg.run_id: c.cfg for _, cells in exps for c in cells}.values())
+        _refuse_dirty_training(cfgs, store, exploratory)
         print(f"paper: {len(exps)} experiments, {len(cfgs)} distinct runs, store {args.store}, executor "
               f"{args.executor} x{args.workers}, group size {_group_shown(args, cfgs, store)}", file=sys.stderr)
         t0 = time.perf_counter()
@@ -343,19 +395,50 @@ def _paper(args, train: bool) -> int:
                          address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
         print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         failed = len(report.failed)
+    check_clean(store, exps, exploratory)  # before any file is written: every table's runs at once
+    writer = None
+    if bundle is not None:
+        from .bundle import BundleWriter
+        writer = BundleWriter(bundle)
     write_reports(store, exps, out, opts=opts, workers=args.workers, plugins=args.plugin or (),
-                  on_report=lambda *a: _record_report(store, *a))
-    doc = args.doc or str(out / "RESULTS.md")
+                  on_report=lambda *a: _record_report(store, *a), bundle=writer.dir if writer else None,
+                  exploratory=exploratory)
     started, t0 = time.time(), time.perf_counter()
     write_results_doc(out, doc, names=[e.name for e, _ in exps])
     _record_report(store, "RESULTS.md", started, time.perf_counter() - t0, 0)
-    if args.readme:  # the verdicts at a glance, generated from the same tables
+    if readme:  # the verdicts at a glance, generated from the same tables
         from .paper import load_tables, verdict_summary
         from .report import splice_into_doc
-        splice_into_doc(args.readme, "verdicts", verdict_summary(load_tables(out)))
+        splice_into_doc(readme, "verdicts", verdict_summary(load_tables(out)))
+    written = write_calibration_docs(store, cal_doc, out, spaces, bundle=writer.dir if writer else None) \
+        if cal_doc else []
+    if writer is not None:
+        def rel(p):
+            return Path(os.path.relpath(Path(p).resolve(), out.resolve())).as_posix() if p else None
+        writer.finish({"options": {"seeds": opts.seeds, "quick": opts.quick,
+                                   "tasks": list(opts.tasks) if opts.tasks is not None else None},
+                       "experiments": [e.name for e, _ in exps], "spaces": [{"name": s} for s in written],
+                       "exploratory": bool(exploratory),
+                       "docs": {"results": rel(doc), "readme": rel(readme), "calibration": rel(cal_doc) if written
+                                else None}})
     print(Path(doc).read_text().split("\n## ", 2)[1] if "\n## " in Path(doc).read_text() else "")
-    print(f"wrote {len(exps)} experiments under {out}/ and {doc}", file=sys.stderr)
+    print(f"wrote {len(exps)} experiments under {out}/ and {doc}" + (f", the bundle {bundle}/" if writer else "")
+          + (f"; updated {cal_doc} ({', '.join(written)})" if written else ""), file=sys.stderr)
     return 1 if failed else 0
+
+
+def _refuse_dirty_training(cfgs, store, exploratory: bool) -> None:
+    """Before a paper's sweep: runs trained now from a checkout with uncommitted changes would be
+    ``+dirty`` and refused by every table (``report.check_clean``), so say so before training them."""
+    if exploratory:
+        return
+    from .provenance import code_version, provenance
+    version = code_version(provenance())
+    todo = sum(not store.is_done(c.run_id) for c in cfgs)
+    if todo and version.endswith("+dirty"):
+        raise CliError(f"this checkout has uncommitted changes ({version}): the {todo} runs left to train would "
+                       "be trained from a dirty tree, which no table accepts unless it is marked exploratory; "
+                       "commit first, or pass --exploratory")
 
 
 def _group_arg(v: str) -> int | str:
@@ -477,6 +560,10 @@ def cmd_report(args) -> int:
         return cmd_report_timings(args)
     exp, cells = _experiment(args)
     _check_outputs(args, f"results/{exp.name}")
+    if args.from_bundle:
+        from .bundle import BundleSource
+        _write_report(args, exp, cells, BundleSource(args.from_bundle))
+        return 0
     _write_report(args, exp, cells, _store(args, read_only=True))
     return 0
 
@@ -656,9 +743,17 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--doc", default=None, help="also splice the table into this markdown file "
                        "(between <!-- table:NAME --> markers)")
         r.add_argument("--readme", default=None, help="paper only: also splice the verdict summary into this file")
+        r.add_argument("--calibration-doc", default=None, help="paper only: also write the generated blocks of this "
+                       "file (docs/CALIBRATION.md) for each task's searched space, and OUT/calibration/SPACE")
         r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray); "
                        "for 'paper' also the processes that write the reports")
         if name == "report":  # report timings
+            r.add_argument("--from-bundle", default=None, metavar="DIR", help="read a results bundle (DIR/bundle, "
+                           "e.g. docs/results) instead of a store: 'paper' rewrites the documents it was written "
+                           "for (RESULTS.md, CALIBRATION.md, the README table; paths relative to --out, by default "
+                           "DIR), no store and no weights needed")
+            r.add_argument("--exploratory", action="store_true", help="let runs trained from a dirty tree "
+                           "(uncommitted changes) enter the tables, marked exploratory (default: refused)")
             r.add_argument("--json", action="store_true", help="timings: print one JSON object")
             r.add_argument("--gemm-rate", type=float, default=None, metavar="GFLOPS", help="timings: the GEMM rate "
                            "of the floor (default: the fastest the ledger's sweeps measured, else measured now)")
@@ -675,7 +770,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: $SOFTPRIOR_DEVICE or cpu)")
             r.add_argument("--no-progress", action="store_true")
             r.add_argument("--exploratory", action="store_true",
-                           help="train prediction rows even if no calibration record covers their configuration")
+                           help="train prediction rows even if no calibration record covers their configuration, "
+                           "and let runs trained from a dirty tree enter the tables, marked exploratory")
         r.set_defaults(fn=fn)
     c = sub.add_parser("calibrate", help="search task design and initialisation against the difficulty rows "
                        "(Optuna), pre-register the choice, map the claims' robustness")
@@ -760,6 +856,7 @@ _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.experiments", "UnknownExperimentError"), ("softprior.experiments", "UnknownTaskFilterError"),
               ("softprior.experiments", "PluginError"), ("softprior.calibration.space", "SpaceError"),
               ("softprior.records", "CalibrationMissing"),  # and RecordRefused, a subclass
+              ("softprior.report", "DirtyRunsRefused"),
               ("softprior.interop", "ExportError"), ("softprior.interop", "MissingExtraError"))
 
 
