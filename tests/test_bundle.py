@@ -91,6 +91,34 @@ def _compare(committed: dict[str, str], regenerated: dict[str, str]) -> list[str
             + [f"{k}: regenerated, not committed" for k in regenerated if k not in committed])
 
 
+def _regenerate(results: Path, root: Path, into: Path, *extra: str) -> tuple[list[str], float]:
+    """``report paper --from-bundle RESULTS`` into a copy of the checkout ``root``: the documents the
+    manifest names copied with their generated blocks emptied (RESULTS.md, wholly generated, left out),
+    NOTES.md beside the tables. Returns what `git diff --exit-code` would show between the regenerated
+    files and ``root``'s (every document and every text file under the results), and the seconds taken."""
+    import re
+
+    from softprior.bundle import BundleSource
+    manifest = BundleSource(results).manifest
+    out = into / results.relative_to(root)
+    out.mkdir(parents=True)
+    docs = [(results / v).resolve() for v in manifest["docs"].values() if v]
+    for path in docs:
+        dest = into / path.relative_to(root.resolve())
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if path.name != "RESULTS.md":
+            dest.write_text(re.sub(r"(<!-- table:(\S+) -->\n).*?(\n<!-- /table:\2 -->)", r"\1(emptied)\3",
+                                   path.read_text(), flags=re.S))
+    if (results / "NOTES.md").exists():
+        shutil.copyfile(results / "NOTES.md", out / "NOTES.md")
+    t0 = time.perf_counter()
+    assert main(["report", "paper", "--from-bundle", str(results), "--out", str(out), *extra]) == 0
+    seconds = time.perf_counter() - t0
+    diff = [f"{p.relative_to(root.resolve())}: differs" for p in docs
+            if (into / p.relative_to(root.resolve())).read_text() != p.read_text()]
+    return diff + _compare(_texts(results), _texts(out)), seconds
+
+
 def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tmp_path, monkeypatch, capsys):
     """A tiny paper written from a store (tables with gate-override and length evaluations, curves,
     mechanism and continuation traces, RESULTS.md, the README table, CALIBRATION.md's blocks of a
@@ -112,7 +140,8 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
     a = tmp_path / "a"
     _docs(a)
     args = ["report", "paper", "--store", str(store.root), "--out", str(a / "results"), "--doc", str(a / "RESULTS.md"),
-            "--readme", str(a / "README.md"), "--calibration-doc", str(a / "CALIBRATION.md"), "--plugin", str(plugin)]
+            "--readme", str(a / "README.md"), "--calibration-doc", str(a / "CALIBRATION.md"), "--plugin", str(plugin),
+            "--workers", "2"]  # the reports (and their recorders) in two worker processes
     assert main(args) == 0, capsys.readouterr().err
     bundle = a / "results" / "bundle"
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -132,18 +161,12 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
 
     shutil.rmtree(store.root)  # no store from here on
     b = tmp_path / "b"
-    _docs(b)
-    (b / "results" / "NOTES.md").unlink()  # copied from beside the bundle
-    t0 = time.perf_counter()
-    assert main(["report", "paper", "--from-bundle", str(a / "results"), "--out", str(b / "results"),
-                 "--plugin", str(plugin)]) == 0, capsys.readouterr().err
-    print(f"regenerated in {time.perf_counter() - t0:.1f} s")
+    diff, _ = _regenerate(a / "results", a, b, "--plugin", str(plugin))  # the CI check's own code
+    assert diff == []
     for doc in ("RESULTS.md", "README.md", "CALIBRATION.md"):
         assert (b / doc).read_text() == (a / doc).read_text(), doc
-    committed, regenerated = _texts(a / "results"), _texts(b / "results")
     assert {"bundle_table/table.md", "bundle_table/table.csv", "bundle_mechanism/trace_seed0.csv",
-            "bundle_continuation/claims.csv", "calibration/tiny/candidates.md"} <= set(committed)
-    assert _compare(committed, regenerated) == []
+            "bundle_continuation/claims.csv", "calibration/tiny/candidates.md"} <= set(_texts(a / "results"))
     pngs = sorted(p.relative_to(a / "results") for p in (a / "results").rglob("*.png"))
     assert len(pngs) >= 5 and all((b / "results" / p).stat().st_size > 1000 for p in pngs)
     assert not (b / "results" / "bundle").exists()  # a bundle is read, not rewritten
@@ -216,22 +239,6 @@ def test_committed_documents_equal_what_the_committed_bundle_regenerates(tmp_pat
     if not (results / "bundle" / "manifest.json").is_file():
         pytest.skip("docs/results holds no results bundle yet (docs/results/bundle/manifest.json): the next "
                     "full `softprior reproduce paper --out docs/results ...` writes it")
-    from softprior.bundle import BundleSource
-    manifest = BundleSource(results).manifest
-    copy = tmp_path / "repo"
-    out = copy / "docs" / "results"
-    out.mkdir(parents=True)
-    docs = {k: (results / v).resolve() for k, v in manifest["docs"].items() if v}
-    for path in docs.values():  # the fixed prose around the generated blocks, as committed
-        dest = copy / path.relative_to(REPO)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, dest)
-    shutil.copyfile(results / "NOTES.md", out / "NOTES.md")
-    t0 = time.perf_counter()
-    assert main(["report", "paper", "--from-bundle", str(results), "--out", str(out)]) == 0
-    seconds = time.perf_counter() - t0
-    diff = [f"{p.relative_to(REPO)}: differs" for p in docs.values()
-            if (copy / p.relative_to(REPO)).read_text() != p.read_text()]
-    diff += _compare(_texts(results), _texts(out))
+    diff, seconds = _regenerate(results, REPO, tmp_path / "clone")
     assert diff == [], "the committed documents are not what the committed bundle regenerates:\n" + "\n".join(diff)
     assert seconds < 60, f"regenerating the documents took {seconds:.0f} s (at most a minute)"
