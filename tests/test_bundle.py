@@ -152,6 +152,12 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
     assert kinds == {"evaluation", "ceiling", "chance", "circuit", "calibration_candidates", "calibration_record"}
     assert {p.parent.name for p in (bundle / "frames").rglob("*.csv")} == {"mechanism_trace", "continuation_trace"}
     assert not list(bundle.rglob("*.safetensors")) and not list(bundle.rglob("*.sqlite3"))
+    files = [f"docs/results/bundle/{p.relative_to(bundle).as_posix()}" for p in bundle.rglob("*") if p.is_file()]
+    if shutil.which("git") and (REPO / ".git").exists():  # committed as docs/results/bundle: none of it ignored
+        import subprocess
+        ignored = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=REPO, capture_output=True,
+                                 text=True).stdout.split()
+        assert ignored == [], f"the repository's .gitignore would leave these out of a commit: {ignored}"
     table = (a / "results" / "bundle_table" / "table.md").read_text()
     assert "g=0.25" in table and "T=40" in table and "Exploratory" not in table
     assert "Pre-registered assoc_recall calibration" in (a / "CALIBRATION.md").read_text()

@@ -18,8 +18,8 @@ Layout (``FORMAT`` 1; ``BundleSource`` refuses any other)::
                                   not, and where the documents were written (relative to the results)
     bundle/parts/NAME.json        per experiment (and ``calibration-SPACE``): every run it asked about
                                   (done or not), its derived answers (kind, key, value), its frames
-    bundle/runs/RUN_ID.json       a finished run's summary (no weights)
-    bundle/runs/RUN_ID.metrics.json  its metrics curve (columns, rows), where a report read it
+    bundle/summaries/RUN_ID.json  a finished run's summary (no weights)
+    bundle/curves/RUN_ID.json     its metrics curve (columns, rows), where a report read it
     bundle/frames/KIND/HASH.csv   a derived table (a mechanism or continuation trace), round-trip floats
     bundle/records/HASH.json      the calibration records the runs name, verified when read
 
@@ -165,7 +165,7 @@ class Recorder:
     def _run(self, run_id: str) -> dict:
         if run_id not in self._runs:
             text = _dump_lines(self._source.summary(run_id))
-            _replace_file(self._dir / "runs" / f"{run_id}.json", text)
+            _replace_file(self._dir / "summaries" / f"{run_id}.json", text)
             self._runs[run_id] = json.loads(text)
             self._asked.setdefault(run_id, True)
         return self._runs[run_id]
@@ -174,7 +174,7 @@ class Recorder:
         return dict(self._run(run_id))
 
     def metrics(self, run_id: str) -> list[dict]:
-        """The run's curve, written to ``runs/RUN_ID.metrics.json`` when a report first reads it (the
+        """The run's curve, written to ``curves/RUN_ID.json`` when a report first reads it (the
         calibration's runs are read by their summaries alone)."""
         if run_id not in self._curves:
             self._run(run_id)
@@ -184,7 +184,7 @@ class Recorder:
             except StoreError as e:  # a damaged run: the reports that read its curve skip it or fail alike
                 rec["error"] = " ".join(str(e).split())
             text = _dump_lines(rec)
-            _replace_file(self._dir / "runs" / f"{run_id}.metrics.json", text)
+            _replace_file(self._dir / "curves" / f"{run_id}.json", text)
             self._curves[run_id] = json.loads(text)
         return _uncurve(self._curves[run_id])
 
@@ -308,19 +308,19 @@ class BundleSource:
             raise self._missing(f"run {run_id}")
         return self._done[run_id]
 
-    def _file(self, run_id: str, suffix: str, what: str) -> dict:
-        f = self.root / "runs" / f"{run_id}{suffix}"
+    def _file(self, run_id: str, folder: str, what: str) -> dict:
+        f = self.root / folder / f"{run_id}.json"
         if not self._done.get(run_id) or not f.is_file():
             raise self._missing(f"{what} of finished run {run_id}")
         return json.loads(f.read_text())
 
     def summary(self, run_id: str) -> dict:
         if run_id not in self._runs:
-            self._runs[run_id] = self._file(run_id, ".json", "summary")
+            self._runs[run_id] = self._file(run_id, "summaries", "summary")
         return dict(self._runs[run_id])
 
     def metrics(self, run_id: str) -> list[dict]:
-        return _uncurve(self._file(run_id, ".metrics.json", "metrics curve"))
+        return _uncurve(self._file(run_id, "curves", "metrics curve"))
 
     def derived(self, kind: str, keys: list[dict], compute=None, *, frame=False, encode=None, decode=None) -> list:
         out = []
