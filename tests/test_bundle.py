@@ -189,6 +189,15 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
     err = capsys.readouterr().err
     assert "holds no run" in err and "reproduce paper" in err and len(err.strip().splitlines()) == 1
 
+    # the records a bundle holds prove themselves: one edited after it was written is refused, by name
+    (rec,) = (bundle / "records").glob("*.json")
+    body = json.loads(rec.read_text())
+    rec.write_text(json.dumps({**body, "note": body.get("note", "") + " (edited)"}))
+    assert main(["report", "paper", "--from-bundle", str(a / "results"), "--out", str(tmp_path / "edited"),
+                 "--plugin", str(plugin)]) == 2
+    err = capsys.readouterr().err
+    assert rec.name in err and "edited after it was written" in err and len(err.strip().splitlines()) == 1
+
 
 def test_a_dirty_run_enters_only_a_table_marked_exploratory(tmp_path, monkeypatch, capsys):
     """A run whose summary's code version ends in '+dirty' is refused by every table (one line naming

@@ -292,6 +292,7 @@ class BundleSource:
             for fr in part["frames"]:
                 self._frames[(fr["kind"], _digest(fr["kind"], fr["key"]))] = fr
         self._runs: dict[str, dict] = {}
+        self.records = {r["hash"]: r for r in self.calibration_records()}  # each proves itself, or is refused
 
     @property
     def results_dir(self) -> Path:
