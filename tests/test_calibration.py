@@ -499,3 +499,25 @@ def test_a_report_verifies_the_records_its_runs_name(tmp_path):
     with pytest.raises(CalibrationMissing) as e:
         verify_named(store.root, [h])
     _one_line_refusal(e.value, p)
+
+
+def test_a_registered_default_trains_the_configurations_the_search_measured(tmp_path):
+    """A candidate inherits what its space does not vary from the package default (``candidate_configs``);
+    the record keeps those inherited options, so the new default (plain config + the record's options)
+    builds the very configurations the search measured, run id for run id."""
+    from softprior.calibration.doc import register
+    from softprior.calibration.search import Candidate, candidate_configs
+    from softprior.config import make_run_config
+    from softprior.records import default_options
+    space = load_space("tiny")  # varies n_pairs and prior_scale only
+    cand = Candidate(0, {"task.n_pairs": "4", "model.prior_scale": "2.0"}, {"n_pairs": 4}, {"prior_scale": 2.0},
+                     "passes", 0.1, 2, {}, {}, {}, [])
+    rec = register(space, RunStore(tmp_path / "s"), [cand], steps=4)
+    t_def, m_def = default_options("assoc_recall")
+    assert m_def and all(rec["model_options"][k] == (list(v) if isinstance(v, tuple) else v)
+                         for k, v in m_def.items() if k != "prior_scale")
+    m = {k: tuple(v) if k == "prior_layers" else v for k, v in rec["model_options"].items()}
+    for row, seed, cfg in candidate_configs(space, cand.task_options, cand.model_options, [0, 1], steps=4):
+        again = make_run_config("assoc_recall", row.path, seed, steps=4, calibrated=False,
+                                task_options={**rec["task_options"], **row.task}, model_options=m)
+        assert again.run_id == cfg.run_id

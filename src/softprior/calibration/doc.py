@@ -45,7 +45,16 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
     measured["per_seed"] = c.values
     measured["distance"] = c.distance
     measured["formation"] = c.formation
-    rec = make_record(space, c.task_options, c.model_options, keys, measured, passes,
+    from .search import ceiling
+    measured["bayes_ceiling"] = ceiling(space, c.task_options, c.model_options)[0]
+    # the options the search built the candidate from: the default it inherited (the package's
+    # registered one, as ``candidate_configs`` merges it) plus its own, so that the new default trains
+    # exactly the configurations the search measured
+    from ..records import default_options
+    t_def, m_def = default_options(space.task)
+    t_opts = {**t_def, **c.task_options}
+    m_opts = {**m_def, **c.model_options}
+    rec = make_record(space, t_opts, m_opts, keys, measured, passes,
                       note=f"candidate {c.cid} of study {space.name}-{space.digest}")
     store.write_record(rec)
     if ship:
