@@ -19,18 +19,6 @@ from .flops import gemm_rate, train_step_flops
 __all__ = ["run_bench", "train_step_flops", "gemm_rate", "ledger_summary", "format_timings"]
 
 
-def _gemm_gflops(n: int = 1024, reps: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(3):
-        a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
-
-
 def _union_seconds(intervals: list[tuple[float, float]]) -> float:
     """The wall time covered by (start, seconds) intervals: overlapping ones (concurrent jobs) count
     once, disjoint ones (pieces on different days) add; a lone interval counts its own seconds."""
@@ -247,7 +235,7 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     thread_counts = sorted({1, max_threads})
     log(f"torch {torch.__version__}, timing at {thread_counts} threads; runtime settings (softprior.runtime, "
         f"applied to both implementations): {settings}")
-    gemm = _gemm_gflops()
+    gemm = gemm_rate(threads=max_threads)
     flops = train_step_flops(cfg)
     log(f"fp32 GEMM (1024^3, {max_threads} threads): {gemm:.1f} GFLOP/s;  model: {flops / 1e9:.3f} GFLOP per "
         "training step")
