@@ -325,6 +325,11 @@ def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None,
                           zorder=5)
     if len(levels) == 1:
         ax.axhline(next(iter(levels)), color="dimgray", ls="--", lw=1, zorder=5)
+    # the Bayes ceiling of the task, where it is below 1 (no model can score above it)
+    ceilings = {round(float(v), 4) for v in agg.get("ceiling", []) if np.isfinite(float(v))} if metric == "acc" else set()
+    ceiling = next(iter(ceilings)) if len(ceilings) == 1 and next(iter(ceilings)) < 1 else None
+    if ceiling is not None:
+        ax.axhline(ceiling, color="tab:green", ls=":", lw=1.2, zorder=5)
     ax.set_ylabel("accuracy" if metric == "acc" else "query MSE / d")
     ax.set_xticks(x, rows, rotation=30, ha="right")
     ax.set_title(title, fontsize=10)
@@ -342,6 +347,8 @@ def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None,
     if levels:
         shown = f" ({next(iter(levels)):.3g})" if len(levels) == 1 else " (per task)"
         handles.append(Line2D([], [], color="dimgray", ls="--", lw=1, label=_chance_label(metric) + shown))
+    if ceiling is not None:
+        handles.append(Line2D([], [], color="tab:green", ls=":", lw=1.2, label=f"Bayes ceiling ({ceiling:.3g})"))
     if ns == [1]:
         stat = "n = 1 seed per cell:\nthe seed's value (no mean, no SD)"
     else:
