@@ -98,10 +98,12 @@ def test_assoc_family_validation_and_run_ids():
     with pytest.raises(ValueError, match="repeat_target"):
         task_config("assoc_recall", keys="replacement", repeat_target="middle")
     # distinct keys: the repeat rule is meaningless, every spelling is one config (one run id)
-    a = make_run_config("assoc_recall", "unforced", task_options={"repeat_target": "last"})
-    assert a.run_id == make_run_config("assoc_recall", "unforced").run_id
+    a = make_run_config("assoc_recall", "unforced", task_options={"keys": "distinct", "repeat_target": "last"})
+    assert a.run_id == make_run_config("assoc_recall", "unforced", task_options={"keys": "distinct"}).run_id
     r = make_run_config("assoc_recall", "unforced", task_options={"keys": "replacement"})
     assert r.run_id != a.run_id
+    assert make_run_config("assoc_recall", "unforced", task_options={"keys": "replacement", "repeat_target": "last"}
+                           ).run_id != r.run_id
     # replacement allows a key set smaller than the number of pairs
     task_config("assoc_recall", keys="replacement", n_keys=4, n_pairs=10)
 

@@ -375,7 +375,8 @@ def _continuation_verdict(rows: list[dict]) -> str:
         sh, z = [mean(r["share"]) for r in rs], [mean(r["zero"]) for r in rs]
         rho = spearman(sh, z)
         if not math.isfinite(rho):
-            out.append(f"{col}: too few paths with a recovery share to compare ({len(rs)}).")
+            out.append(f"{col}: Spearman ρ undefined over {len(rs)} paths (it needs two paths with a recovery share, "
+                       "and a spread in both the share and the final zero-gate accuracy).")
             continue
         order = sorted(rs, key=lambda r: -mean(r["share"]))
         ans = "yes" if rho >= 0.5 else ("no, the opposite" if rho <= -0.5 else "not clearly")
