@@ -206,3 +206,13 @@ def test_linear_icl_paired_trains_through_the_model():
     with tempfile.TemporaryDirectory() as d:
         s = softprior.run(cfg, RunStore(d))
     assert 0 < s["zero_mse"] < 10
+
+
+def test_linear_icl_points_that_do_not_fit_are_refused_at_config_time():
+    """31 points fit T = 32 only one per token: the interleaved format is refused when the run is
+    configured (a calibration search then records the candidate as infeasible), not when it trains."""
+    assert make_run_config("linear_icl", "unforced", task_options={"format": "paired", "n_points": 31}).task.n_points == 31
+    with pytest.raises(ValueError, match="n_points=31 does not fit"):
+        make_run_config("linear_icl", "unforced", task_options={"format": "interleaved", "n_points": 31})
+    with pytest.raises(ValueError, match="n_points=16 does not fit"):
+        make_run_config("linear_icl", "unforced", task_options={"n_points": 16})

@@ -56,6 +56,10 @@ class RunConfig(BaseModel):
         if t.name == "linear_icl":
             if m.d_in != t.d_in or m.d_out != 1:
                 raise ValueError(f"model.d_in must be {t.d_in} and model.d_out 1 for linear_icl")
+            fit = m.n_ctx - 1 if t.format == "paired" else (m.n_ctx - 1) // 2
+            if t.n_points is not None and t.n_points > fit:
+                raise ValueError(f"task.n_points={t.n_points} does not fit in the context of {m.n_ctx} tokens "
+                                 f"(at most {fit} in the {t.format} format)")
         elif m.d_in is not None or m.vocab != t.vocab:
             raise ValueError(f"model.vocab must equal task.vocab={t.vocab} and d_in be None for {t.name}")
         return self
