@@ -18,6 +18,20 @@ torch.set_num_threads(1)
 TINY = dict(steps=20, eval_every=10, n_val=64, batch_size=16)
 
 
+def record_progress(monkeypatch) -> list[tuple[int, int, int]]:
+    """(run-steps shown, total, runs finished) at every redraw of the sweep bar
+    (``executors._Progress``), recorded in the returned list for the rest of the test."""
+    import softprior.executors as ex
+    states = []
+    redraw = ex._Progress._redraw
+
+    def recording(self):
+        redraw(self)
+        states.append((self.bar.n, self.bar.total, self.finished))
+    monkeypatch.setattr(ex._Progress, "_redraw", recording)
+    return states
+
+
 def tiny_config(task="assoc_recall", path="unforced", seed=0, **overrides):
     """A RunConfig with steps=20, eval_every=10, n_val=64, batch_size=16 unless overridden, on the
     plain config defaults (the first version's task and initialisation: shared gates, 10 pairs), so

@@ -18,7 +18,7 @@ from softprior.experiments import Options, get_experiment
 from softprior.report import aggregate, collect
 from softprior.store import RunStore
 
-from conftest import tiny_config
+from conftest import record_progress, tiny_config
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -227,13 +227,7 @@ def test_a_ray_sweep_reports_steps_inside_its_jobs(tmp_path, ray_cluster, monkey
     """Progress on Ray: the jobs put their steps into a Ray queue the driver polls (issue 30)."""
     import softprior.executors as ex
     monkeypatch.setattr(ex, "PROGRESS_SECONDS", 0.01)
-    states = []
-    redraw = ex._Progress._redraw
-
-    def recording(self):
-        redraw(self)
-        states.append((self.bar.n, self.bar.total, self.finished))
-    monkeypatch.setattr(ex._Progress, "_redraw", recording)
+    states = record_progress(monkeypatch)
     cfgs = [tiny_config(seed=s, steps=60) for s in range(2)]
     report = execute(cfgs, RunStore(tmp_path / "s"), executor="ray", workers=2, progress=True, require_calibration=False)
     assert report.trained == 2

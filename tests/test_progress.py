@@ -3,25 +3,12 @@ ETA from the measured rate, and its timer ticks while the driver waits; reportin
 
 from __future__ import annotations
 
-import torch
 
 import softprior.executors as ex
 from softprior.executors import execute, work
 from softprior.store import RunStore
 
-from conftest import state_dicts_equal, tiny_config
-
-
-def _record(monkeypatch) -> list[tuple[int, int, int]]:
-    """(run-steps shown, total, runs finished) at every redraw of the sweep bar."""
-    states = []
-    redraw = ex._Progress._redraw
-
-    def recording(self):
-        redraw(self)
-        states.append((self.bar.n, self.bar.total, self.finished))
-    monkeypatch.setattr(ex._Progress, "_redraw", recording)
-    return states
+from conftest import record_progress, state_dicts_equal, tiny_config
 
 
 def test_a_job_reports_every_step_and_keeps_its_bits(tmp_path):
@@ -43,7 +30,7 @@ def test_a_job_reports_every_step_and_keeps_its_bits(tmp_path):
 def test_the_sweep_bar_moves_inside_a_group(tmp_path, monkeypatch):
     """The bar used to move only when a whole group ended: 0/2 runs for the group's whole training."""
     monkeypatch.setattr(ex, "PROGRESS_SECONDS", 0.0)
-    states = _record(monkeypatch)
+    states = record_progress(monkeypatch)
     cfgs = [tiny_config(seed=s) for s in range(2)]
     rep = execute(cfgs, RunStore(tmp_path / "s"), group_size=2, progress=True, require_calibration=False)
     assert rep.trained == 2
@@ -55,7 +42,7 @@ def test_the_sweep_bar_moves_inside_a_group(tmp_path, monkeypatch):
 
 def test_pool_workers_report_their_steps_and_the_timer_ticks(tmp_path, monkeypatch):
     monkeypatch.setattr(ex, "PROGRESS_SECONDS", 0.01)  # also the workers' reporting period (passed to them)
-    states = _record(monkeypatch)
+    states = record_progress(monkeypatch)
     cfgs = [tiny_config(seed=s, steps=60) for s in range(2)]
     rep = execute(cfgs, RunStore(tmp_path / "s"), workers=2, group_size=1, progress=True, require_calibration=False)
     assert rep.trained == 2

@@ -83,12 +83,12 @@ def _evaluate_weights(store, cell: Cell, ev: Eval, m: str, _cache: dict | None) 
 def collect(store: RunStore, cells: list[Cell]):
     """Long table: one row per (cell, evaluation) of every finished run."""
     import pandas as pd
-    rows, cache, ceilings = [], {}, {}
+    rows, cache = [], {}
     for cell in cells:
         if not store.is_done(cell.cfg.run_id):
             continue
         metric = store.summary(cell.cfg.run_id)["metric"]
-        ceiling = _ceiling(store, cell.cfg.task, ceilings)
+        ceiling = _ceiling(store, cell.cfg.task)
         for ev in cell.evals:
             rows.append({"row": cell.row, "col": cell.col, "eval": ev.name, "seed": cell.cfg.seed, "metric": metric,
                          "value": evaluate_cell(store, cell, ev, cache), "run_id": cell.cfg.run_id,
@@ -96,26 +96,19 @@ def collect(store: RunStore, cells: list[Cell]):
     return pd.DataFrame(rows, columns=["row", "col", "eval", "seed", "metric", "value", "run_id", "ceiling"])
 
 
-def _ceiling(source, task_cfg, cache: dict) -> float:
+def _ceiling(source, task_cfg) -> float:
     """``task_ceiling`` asked of the source (a bundle gives back the ceiling it recorded)."""
-    return float(ask(source, "ceiling", {"task": task_cfg.model_dump(mode="json")},
-                     lambda: float(task_ceiling(task_cfg, cache))))
+    return float(ask(source, "ceiling", {"task": task_cfg.model_dump(mode="json")}, lambda: task_ceiling(task_cfg)))
 
 
-def task_ceiling(task_cfg, _cache: dict | None = None) -> float:
-    """The Bayes ceiling of a task config (``Task.bayes_accuracy``; nan for linear ICL, whose metric
-    is an MSE), cached per config within one report."""
+def task_ceiling(task_cfg) -> float:
+    """The Bayes ceiling of a task config (``Task.bayes_accuracy``, which computes a Monte Carlo
+    ceiling once per configuration; nan for linear ICL, whose metric is an MSE)."""
     import math
 
     from .tasks import make_task
-    key = task_cfg.model_dump_json()
-    if _cache is not None and key in _cache:
-        return _cache[key]
     task = make_task(task_cfg)
-    value = task.bayes_accuracy()[0] if hasattr(task, "bayes_accuracy") else math.nan
-    if _cache is not None:
-        _cache[key] = value
-    return value
+    return float(task.bayes_accuracy()[0]) if hasattr(task, "bayes_accuracy") else math.nan
 
 
 def _label(col: str, ev: str) -> str:

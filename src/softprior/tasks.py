@@ -75,7 +75,7 @@ Linear regression ICL (Garg et al. 2022; dtsip/in-context-learning):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 import torch
 import torch.nn.functional as F
 
@@ -318,6 +318,9 @@ class Markov(_TokenTask):
         (a correct tie among k counts 1/k), with the standard error of that mean."""
         if self.cfg.answer == "recent":
             return 1.0, 0.0
+        return _successor_ceiling(self.cfg, n, seed)
+
+    def _successor_ceiling(self, n: int, seed: int) -> tuple[float, float]:
         b = self.sample(n, 32, torch.Generator().manual_seed(seed))
         x = b.inputs
         target = b.targets if b.targets.dim() == 1 else b.targets[:, -1]
@@ -384,6 +387,14 @@ class Markov(_TokenTask):
     def chance(self) -> float:
         """``chance_at(32)``, the base length."""
         return self.chance_at(32)
+
+
+@lru_cache(maxsize=256)
+def _successor_ceiling(cfg: MarkovConfig, n: int, seed: int) -> tuple[float, float]:
+    """``Markov.bayes_accuracy`` of the successor rule, computed once per (config, n, seed): it is a
+    function of them alone (a seeded Monte Carlo), and the search, the reports and the robustness map
+    all ask for the same configurations."""
+    return Markov(cfg)._successor_ceiling(n, seed)
 
 
 class LinearICL(Task):
@@ -453,15 +464,12 @@ class LinearICL(Task):
         """(X [B, n, d], y [B, n], x_query [B, d], y_query [B]) of a batch, in either format."""
         seq, y, d = batch.inputs, batch.targets, self.cfg.d
         if self.paired:
-            n = self._n_in(seq)
+            n = self.n_points(seq.shape[1])
             ctx = seq[:, seq.shape[1] - 1 - n:-1]
             return ctx[..., :d], ctx[..., d], seq[:, -1, :d], y[:, -1]
         n = y.shape[1] - 1
         start = seq.shape[1] - (2 * n + 1)
         return seq[:, start::2][:, :n], y[:, :n], seq[:, -1], y[:, -1]
-
-    def _n_in(self, seq: torch.Tensor) -> int:
-        return self.n_points(seq.shape[1])
 
     def reference_mse(self, batch: Batch) -> dict[str, float]:
         """The metric (query squared error / E[y^2]) of three reference estimators on ``batch``:
