@@ -505,6 +505,32 @@ def test_a_report_verifies_the_records_its_runs_name(tmp_path):
     _one_line_refusal(e.value, p)
 
 
+def test_a_table_refuses_runs_whose_record_no_one_holds(tmp_path):
+    """``report.provenance_note`` (every table's provenance line) verifies the records its runs name."""
+    from softprior.calibration.record import shipped_records
+    from softprior.cells import Cell
+    from softprior.report import provenance_note
+
+    class Source:  # a report's source (a store or a bundle) holding one finished prediction run
+        root = tmp_path
+        named = "f" * 16
+
+        def is_done(self, run_id):
+            return True
+
+        def summary(self, run_id):
+            return {"calibration": self.named, "softprior_version": "0", "git_commit": "abc", "path": "fade600"}
+
+        def calibration_records(self):
+            return []
+
+    src, cells = Source(), [Cell(_fade_cfg(), row="fade600")]
+    with pytest.raises(CalibrationMissing, match="f" * 16):
+        provenance_note(src, cells)
+    src.named = shipped_records()["assoc_recall"]["hash"]  # a record the package ships and verifies
+    assert src.named in provenance_note(src, cells)
+
+
 def test_a_registered_default_trains_the_configurations_the_search_measured(tmp_path):
     """A candidate inherits what its space does not vary from the package default (``candidate_configs``);
     the record keeps those inherited options, so the new default (plain config + the record's options)

@@ -471,16 +471,20 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path, smoke
 
 def provenance_note(store: RunStore, cells: list[Cell]) -> str:
     """One line naming the code, torch, CPU and calibration record(s) behind a table, and a warning
-    when the table mixes code versions (runs recorded before provenance count as 'unrecorded')."""
+    when the table mixes code versions (runs recorded before provenance count as 'unrecorded').
+    Every record the runs name is verified first (``store.records.verify_named``): a forged or edited
+    record is refused (``RecordRefused``), and a hash no valid record holds is ``CalibrationMissing``."""
     import collections
     import sys
 
     from .records import DIFFICULTY_PATHS
     from .provenance import code_version
+    from .store.records import verify_named
     ids = list(dict.fromkeys(c.cfg.run_id for c in cells))
     done = [store.summary(r) for r in ids if store.is_done(r)]
     if not done:
         return ""
+    verify_named(store, (s.get("calibration") for s in done))
     def count(key):
         return collections.Counter(s.get(key) or "unrecorded" for s in done)
 

@@ -150,20 +150,23 @@ def covering_records(cfgs, root: str | Path) -> dict[str, str | None]:
     return out
 
 
-def verify_named(root: str | Path, hashes: Iterable[str | None]) -> dict[str, dict]:
+def verify_named(source, hashes: Iterable[str | None]) -> dict[str, dict]:
     """For a report: the records its runs name (hash -> record; None and '' skipped), every record of
-    the package and of the store at ``root`` verified on the way (``RecordRefused`` naming a file that
-    does not verify); ``CalibrationMissing`` for a named hash that no valid record holds. Reads only."""
+    the package and of ``source`` verified on the way (``RecordRefused`` naming a file that does not
+    verify); ``CalibrationMissing`` for a named hash that no valid record holds. ``source``: a store's
+    root, or a report's source (a run store or a results bundle: its ``calibration_records()``). Reads only."""
+    own = source.calibration_records() if hasattr(source, "calibration_records") else store_records(source)
     held = {}
-    for r in [*all_shipped_records(), *store_records(root)]:
+    for r in [*all_shipped_records(), *own]:
         held.setdefault(r["hash"], r)
     out = {}
     for h in hashes:
         if not h:
             continue
         if h not in held:
+            where = getattr(source, "root", source)
             raise CalibrationMissing(f"calibration record {h}, named by a run, is held by neither the package nor "
-                                     f"the store {str(root)!r}: its runs cannot count as calibrated")
+                                     f"{str(where)!r}: its runs cannot count as calibrated")
         out[h] = held[h]
     return out
 
