@@ -116,99 +116,6 @@ def test_fast_forward_beyond_the_training_length_matches_the_readable_model():
                           rtol=1e-5, atol=1e-5)
 
 
-# ------------------------------------------------------------------ the hand-written backward (issue 16)
-HAND_CASES = CASES + [("assoc_recall", "head", 4), ("markov-determined", "head", 1), ("linear_icl", "head", 1)]
-
-
-def _check_hand(cfgs, models, n_runs, forced=None):
-    """hand_forward against the readable model: logits and every gradient (incl. gate_logits through
-    the sigmoid) to 1e-5 in float64; ``forced``: (g_pos, g_content) floats instead of learned gates."""
-    from softprior.fastpath import hand_forward
-    inputs, pos, params = _batch_and_params(cfgs, models)
-    L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
-    if forced is not None:
-        gp = torch.full((n_runs, L, H), forced[0], dtype=torch.float64)
-        gc = torch.full((n_runs, L, H), forced[1], dtype=torch.float64)
-        ref = torch.stack([m(inputs, *forced, positions=pos) for m in models])
-    elif not cfgs[0].model.prior:
-        gp = gc = torch.zeros(n_runs, L, H, dtype=torch.float64)
-        ref = torch.stack([m(inputs, positions=pos) for m in models])
-    else:
-        g_all = torch.sigmoid(params["gate_logits"])
-        gp, gc = g_all[:, 0].expand(n_runs, L, H), g_all[:, 1].expand(n_runs, L, H)
-        ref = torch.stack([m(inputs, positions=pos) for m in models])
-    fast = hand_forward(params, cfgs[0].model, inputs, gp, gc, pos)
-    _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero=True)
-    return params
-
-
-@pytest.mark.parametrize("task,granularity,n_layers", HAND_CASES)
-def test_hand_backward_matches_the_readable_model_in_logits_and_gradients(task, granularity, n_layers):
-    cfgs, models = _random_models(task, granularity, n_layers)
-    params = _check_hand(cfgs, models, 3)
-    assert params["gate_logits"].grad.abs().sum() > 0  # learned gates: the gradient reached the logits
-
-
-def test_hand_backward_large_preset_and_no_prior():
-    for task in ("assoc_recall", "linear_icl"):
-        cfgs = [make_run_config(task, "unforced", s, model="large", calibrated=False) for s in range(2)]
-        models = [build_model(c).double() for c in cfgs]
-        _check_hand(cfgs, models, 2)
-    cfgs = [make_run_config("assoc_recall", "unforced", s, model_options=dict(prior=False)) for s in range(2)]
-    models = [build_model(c).double() for c in cfgs]
-    _check_hand(cfgs, models, 2)
-    _check_hand(cfgs, [build_model(c).double() for c in cfgs], 2, forced=(0.0, 0.0))
-
-
-def test_hand_backward_equals_autograd_through_a_fade(monkeypatch):
-    """Train a group (a fade scaled to 16 steps, whose forced gates go 0.5 -> 0 inside the run, and a
-    run with learned gates) once per backward: the two trainings stay equal to float32 rounding."""
-    from softprior.engine import train_group
-    from softprior.paths import scale_path
-    kw = dict(steps=16, eval_every=2, n_val=16, batch_size=8, calibrated=False)
-    fade = make_run_config("assoc_recall", "fade600->0", 0, **kw)
-    fade = fade.model_copy(update=dict(path=scale_path(fade.path, 8 / 600)))
-    cfgs = [fade, make_run_config("assoc_recall", "unforced", 1, **kw)]
-    runs = {}
-    for mode in ("autograd", "hand"):
-        monkeypatch.setenv("SOFTPRIOR_BACKWARD", mode)
-        runs[mode] = train_group(cfgs)
-    gs = [r["g_pos"] for r in runs["hand"][0].metrics]
-    assert gs[0] == 0.5 and gs[-1] == 0.0 and len(set(gs)) > 3  # the whole fade, inside the test window
-    assert runs["hand"][0].summary.get("fast_backward") == "hand"
-    assert "fast_backward" not in runs["autograd"][0].summary
-    _assert_same_training(runs["autograd"], runs["hand"])
-
-
-def _assert_same_training(ra_runs, rb_runs):
-    for a, b in zip(ra_runs, rb_runs):
-        for n in a.state_dict:
-            assert torch.allclose(a.state_dict[n], b.state_dict[n], rtol=1e-4, atol=2e-5), n
-        for ra, rb in zip(a.metrics, b.metrics):
-            for k in ("train_loss", "normal_loss", "zero_loss", "model_g_pos", "model_g_content"):
-                assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), k
-
-
-def test_hand_backward_in_the_single_run_loop(monkeypatch):
-    """train.train (K = 1 through model_forward) selects the hand backward by the same variable:
-    Markov with loss on every determined position (the last layer the plain way), learned gates."""
-    from softprior.train import train
-    cfg = make_run_config("markov", "unforced", 0, steps=6, eval_every=3, n_val=16, batch_size=8, calibrated=False,
-                          task_options=dict(loss_on="determined"))
-    runs = {}
-    for mode in ("autograd", "hand"):
-        monkeypatch.setenv("SOFTPRIOR_BACKWARD", mode)
-        runs[mode] = [train(cfg)]
-    _assert_same_training(runs["autograd"], runs["hand"])
-
-
-def test_backward_mode_is_checked():
-    from softprior.fastpath import _backward_mode
-    assert _backward_mode("hand") == "hand"
-    with pytest.raises(ValueError):
-        _backward_mode("handwritten")
-
-
 # ------------------------------------------------------------------ static schemes on the fast path
 FAST_SCHEMES = ["nope", "alibi", "t5", "kerple", "kerple_power", "fire", "vanilla", "rope"]
 
@@ -230,24 +137,22 @@ def _scheme_models(task, baseline, n_runs=2, n_layers=2):
 @pytest.mark.parametrize("baseline", FAST_SCHEMES)
 @pytest.mark.parametrize("task", ["assoc_recall", "markov-determined", "linear_icl"])
 def test_static_schemes_on_the_fast_path_match_the_readable_model(baseline, task):
-    """Logits and every gradient, the scheme's parameters included, to 1e-5 in float64, through both
-    backwards (the re-associated last layer on assoc / linear ICL, the plain one on Markov-determined
-    and under RoPE; layer 0 on the vocabulary except under vanilla's absolute positions)."""
-    from softprior.fastpath import hand_forward
-    for fwd in (fast_forward, hand_forward):
-        cfgs, models = _scheme_models(task, baseline)
-        inputs, pos, params = _batch_and_params(cfgs, models)
-        L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
-        zeros = torch.zeros(2, L, H, dtype=torch.float64)  # prior off: gates 0, as the readable model's
-        fast = fwd(params, cfgs[0].model, inputs, zeros, zeros, pos)
-        ref = torch.stack([m(inputs, positions=pos) for m in models])
-        _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero=True)
-        scheme = [n for n in params if ".scheme." in n]
-        if baseline in ("t5", "kerple", "kerple_power", "fire", "vanilla"):  # learned: the gradient reached it
-            used = [n for n in scheme if not (baseline == "vanilla" and not n.startswith("blocks.0."))]
-            assert used and all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in used)
-        else:
-            assert not scheme
+    """Logits and every gradient, the scheme's parameters included, to 1e-5 in float64 (the
+    re-associated last layer on assoc / linear ICL, the plain one on Markov-determined and under RoPE;
+    layer 0 on the vocabulary except under vanilla's absolute positions)."""
+    cfgs, models = _scheme_models(task, baseline)
+    inputs, pos, params = _batch_and_params(cfgs, models)
+    L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
+    zeros = torch.zeros(2, L, H, dtype=torch.float64)  # prior off: gates 0, as the readable model's
+    fast = fast_forward(params, cfgs[0].model, inputs, zeros, zeros, pos)
+    ref = torch.stack([m(inputs, positions=pos) for m in models])
+    _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero=True)
+    scheme = [n for n in params if ".scheme." in n]
+    if baseline in ("t5", "kerple", "kerple_power", "fire", "vanilla"):  # learned: the gradient reached it
+        used = [n for n in scheme if not (baseline == "vanilla" and not n.startswith("blocks.0."))]
+        assert used and all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in used)
+    else:
+        assert not scheme
 
 
 

@@ -35,27 +35,16 @@ What it does differently (each an exact algebraic identity, so only rounding dif
 5. **The residual add fused into the output projection** (``baddbmm``), the position bias gathered
    once per step as [K, H, T, T] with the causal mask added in, no [B, H, T, T] bias tensor.
 
-6. **Optionally, no autograd graph at all** (docs/PERFORMANCE.md, the hand-written backward): ``backward="hand"`` (or
-   ``$SOFTPRIOR_BACKWARD=hand``) runs the same forward as one ``autograd.Function`` (``_Whole``:
-   ``_hand_forward`` saves what the backward reads, ``_hand_backward`` computes the gradient of every
-   stacked parameter and of g_pos / g_content, formulas at ``_hand_forward``). The loss and the gate
-   sigmoid stay in autograd, so learned gates get their gradient through ``gate_logits`` as before.
-   Opt-in: it rounds differently in the last bits, so recorded runs would not reproduce their bits
-   (the default, "autograd", does). Gain: ~1.25-1.4x on the fixed per-step cost (batch 1), but at
-   batch 64 a step is dominated by the attention kernels and the gain is ~5% (docs/PERFORMANCE.md).
-
-7. **Static schemes** (``_scheme_kind``), each computed by the scheme's own code on the run's own
+6. **Static schemes** (``_scheme_kind``), each computed by the scheme's own code on the run's own
    parameters (``functional_call`` of a template scheme, vmapped over the runs):
    - those that only add a bias (ALiBi, T5, Kerple log and power, FIRE): b_h(i, j) per layer, added
      to the prior's bias before the mask, as ``AdditiveBias.adjust_logits`` adds it in the readable
-     model; its gradient reaches the scheme's parameters through autograd (in the hand path it enters
-     ``_Whole`` as one more input whose gradient is dbias). NoPE adds nothing.
+     model; its gradient reaches the scheme's parameters through autograd. NoPE adds nothing.
    - vanilla: the learned table P[:T] d^-1/2 added to the input; layer 0 then runs the plain way
      (its input is no longer a function of the token alone, so point 3 does not apply).
    - RoPE: the first d_head columns of q and k rotated by position after the projections (the
      content-factor columns are not rotated, as in the readable model); the last layer runs the plain
-     way (point 4's re-association does not pass through a rotation between q_i and k_j); the hand
-     backward applies the inverse rotation to dq and dk.
+     way (point 4's re-association does not pass through a rotation between q_i and k_j).
    Against ``vmap`` of the readable model, per run-step (docs/PERFORMANCE.md): ~2x for the bias
    schemes and NoPE, 1.2-1.4x for vanilla, 1.1-1.4x for RoPE.
 
@@ -68,7 +57,6 @@ the readable model (``supports``).
 from __future__ import annotations
 
 import math
-import os
 from functools import lru_cache
 
 import torch
@@ -78,7 +66,7 @@ from torch.func import functional_call, vmap
 from .model import ModelConfig
 from .positional.rotary import rotate_pairs  # RoPE's rotation, shared with the readable scheme
 
-__all__ = ["supports", "fast_forward", "hand_forward", "stacked_params", "model_forward"]
+__all__ = ["supports", "fast_forward", "stacked_params", "model_forward"]
 
 
 def supports(cfg: ModelConfig) -> bool:
@@ -208,7 +196,7 @@ def _geometry(T: int, n_ctx: int, positions: tuple[int, ...] | None, device: tor
 
 
 def _with_static(bias: torch.Tensor, static: torch.Tensor | None) -> torch.Tensor:
-    """The prior's bias (with the mask) plus a layer's static scheme bias, if the model has one (point 7)."""
+    """The prior's bias (with the mask) plus a layer's static scheme bias, if the model has one (point 6)."""
     return bias if static is None else bias + static
 
 
@@ -314,13 +302,8 @@ def _take(x: torch.Tensor, pos: tuple[int, ...]) -> torch.Tensor:
 
 
 def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torch.Tensor,
-                 g_pos: torch.Tensor, g_content: torch.Tensor, positions: torch.Tensor,
-                 backward: str | None = None) -> torch.Tensor:
+                 g_pos: torch.Tensor, g_content: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Outputs at ``positions`` for K runs at once.
-
-    backward: "autograd" (autograd over the ops below; the default, and the recorded runs' bits) or
-    "hand" (``hand_forward``: one node with a hand-written backward for the whole model); None reads
-    ``$SOFTPRIOR_BACKWARD`` (default "autograd"). Without grad (evaluation) both run this forward.
 
     params: run-stacked parameters [K, ...] named as ``SoftPriorTransformer.named_parameters()``.
     inputs: [K, B, T] tokens or [K, B, T, d_in] vectors (or without K: shared by all runs).
@@ -328,8 +311,6 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     Returns [K, B, P, vocab] logits (or [K, B, P, d_out]), equal to
     ``model(inputs, g_pos, g_content, positions=positions)`` for each run.
     """
-    if torch.is_grad_enabled() and _backward_mode(backward) == "hand":
-        return hand_forward(params, cfg, inputs, g_pos, g_content, positions)
     L, H, d, dh, r = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
     e = dh + r
     K = g_pos.shape[0]
@@ -343,7 +324,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     off_q, mask_q = _geometry(T, cfg.n_ctx, pos, inputs.device)
     dtype = params["blocks.0.attn.in_proj.weight"].dtype
     static = _biases(params, cfg, K, T, pos, dtype, inputs.device)
-    pe, rot = _absolute(params, cfg, K, T, dtype), _rope_tables(cfg, T, dtype, inputs.device)  # point 7
+    pe, rot = _absolute(params, cfg, K, T, dtype), _rope_tables(cfg, T, dtype, inputs.device)  # point 6
 
     if tokens:
         E = params["embed.weight"]  # [K, V, d]
@@ -431,362 +412,3 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
         out = torch.baddbmm(params["read_out.bias"][:, None, :], n, params["read_out.weight"].transpose(1, 2))
     return out.view(K, B, P, -1)
 
-
-# ===================================================================================== hand backward
-# Issue 16: the whole fast forward as one ``autograd.Function`` whose backward is written out by hand,
-# so that a training step builds no autograd graph over the ~150 forward ops (autograd's per-node
-# bookkeeping is a large share of a step's time for a model this small). The forward is
-# ``fast_forward``'s, op for op where it matters (points 1-5 above), saving what the backward reads.
-# Opt-in (``backward="hand"`` or ``$SOFTPRIOR_BACKWARD=hand``): it rounds differently from autograd's
-# backward in the last bits, so recorded runs would change bits.
-#
-# Formulas used (per run; rows are batch x position):
-# - LayerNorm without affine, n = (x - mean) * rstd:  dx = rstd * (dn - mean(dn) - n * mean(dn * n))
-#   (row means over the feature dim; aten's ``native_layer_norm_backward`` computes exactly this).
-# - LayerNorm affine applied as h = n * w + b:  dw = sum_rows dh * n,  db = sum_rows dh,  dn = dh * w.
-# - Linear y = x A^T + c:  dx = dy A,  dA = dy^T x,  dc = sum_rows dy.
-# - Folded LayerNorm (point 1), A = Ws diag(w), c = Ws b:  dWs = dA diag(w) + dc b^T,
-#   dw = sum_rows(dA * Ws),  db = Ws^T dc.
-# - Per-head rows Ws = W[perm] * scale (scale = 1/sqrt(dh) on Q rows, g_content,h on U rows, 1 else):
-#   dW[perm] = dWs * scale,  dscale = sum_cols(dWs * W[perm]),  dg_content,h = sum over the U rows of dscale.
-# - Softmax P = softmax(S) row-wise:  dS = P * (dP - sum_j dP_j P_j).
-# - Attention S = q k^T + bias, z = P v:  dP = dz v^T, dq = dS k, dk = dS^T q, dv = P^T dz, dbias = sum_B dS.
-# - Position bias bias = g_pos,h * table_h[off] + mask:  dg_pos,h = sum(dbias * table_h[off]),
-#   dtable_h = scatter-add of g_pos,h * dbias over the offsets (masked entries have dS = 0).
-# - Gathers rows = table[idx]:  dtable = index_add of drows at idx.
-
-_BACKWARDS = ("autograd", "hand")
-_STATIC = "static_bias."  # the hand path's name of layer l's static scheme bias (an input of ``_Whole``)
-_ABS = "absolute_positions"  # and of vanilla's position embedding [K, T, d]
-
-
-def _backward_mode(backward: str | None) -> str:
-    mode = backward or os.environ.get("SOFTPRIOR_BACKWARD") or "autograd"
-    if mode not in _BACKWARDS:
-        raise ValueError(f"backward must be one of {_BACKWARDS}, got {mode!r}")
-    return mode
-
-
-@lru_cache(maxsize=16)
-def _inverse_perm(perm_key: tuple[int, int, int, int], device: torch.device) -> torch.Tensor:
-    d, H, dh, r = perm_key
-    perm = _head_columns(d, H, dh, r, device)[0]
-    return torch.argsort(perm)
-
-
-def _ln_fwd(x: torch.Tensor):
-    """n = (x - mean) * rstd over the last dim: (n, mean, rstd)."""
-    return torch.native_layer_norm(x, x.shape[-1:], None, None, 1e-5)
-
-
-def _ln_bwd(dn: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """dx = rstd * (dn - mean(dn) - n * mean(dn * n)) (see the formulas above)."""
-    return torch.ops.aten.native_layer_norm_backward(dn, x, x.shape[-1:], mean, rstd, None, None,
-                                                    [True, False, False])[0]
-
-
-def _unscale(dWs, W_p, scale, inv, dh, e):
-    """Ws = W[perm] * scale -> (dW, dg_content [K, H])."""
-    K = dWs.shape[0]
-    dW = (dWs * scale[:, :, None]).index_select(1, inv)
-    dscale = (dWs * W_p).sum(-1).view(K, -1, 2 * e + dh)
-    return dW, dscale[:, :, dh:e].sum(-1)
-
-
-def _fold_bwd(dA, dc, Ws, ln_w, ln_b):
-    """A = Ws diag(w), c = Ws b -> (dWs, dw, db). dA [K, R, d], dc [K, R]."""
-    dWs = torch.addcmul(dA * ln_w[:, None, :], dc[:, :, None], ln_b[:, None, :])
-    return dWs, (dA * Ws).sum(1), torch.bmm(dc[:, None, :], Ws).squeeze(1)
-
-
-def _bias_bwd(dbias, tb, gp, off, n_ctx):
-    """bias = gp * tb + mask, tb = table[:, :, off] -> (dtable [K, H, n_ctx], dgp [K, H])."""
-    K, H = dbias.shape[:2]
-    dgp = (dbias * tb).sum((-1, -2))
-    dt = dbias.new_zeros(K, H, n_ctx).index_add_(2, off.reshape(-1), (dbias * gp[:, :, None, None]).reshape(K, H, -1))
-    return dt, dgp
-
-
-
-
-def _hand_forward(params, cfg, inputs, g_pos, g_content, pos):
-    """``fast_forward``'s computation without autograd; returns (logits [K, B, P, out], saved state)."""
-    L, H, d, dh, r = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
-    e = dh + r
-    w = 2 * e + dh
-    K = g_pos.shape[0]
-    tokens = cfg.d_in is None
-    if inputs.dim() == (2 if tokens else 3):
-        inputs = inputs.expand(K, *inputs.shape)
-    B, T = inputs.shape[1], inputs.shape[2]
-    P = len(pos)
-    dev = inputs.device
-    off_all, mask_all = _geometry(T, cfg.n_ctx, None, dev)
-    off_q, mask_q = _geometry(T, cfg.n_ctx, pos, dev)
-    pos_t = torch.tensor(pos, device=dev)
-    absolute = _ABS in params
-    rot = _rope_tables(cfg, T, params["blocks.0.attn.in_proj.weight"].dtype, dev)
-    S = dict(K=K, B=B, T=T, P=P, tokens=tokens, pos_t=pos_t, off_all=off_all, off_q=off_q, layers=[],
-             absolute=absolute, rot=rot)
-    if tokens:
-        E = params["embed.weight"]  # [K, V, d]
-        V = E.shape[1]
-        idx = (inputs + (torch.arange(K, device=dev) * V).view(K, 1, 1)).reshape(-1)
-        x = E.reshape(K * V, d).index_select(0, idx).view(K, B * T, d)
-        S.update(E=E, V=V, idx=idx)
-    else:
-        xin = inputs.reshape(K, B * T, -1)
-        x = torch.baddbmm(params["read_in.bias"].unsqueeze(1), xin, params["read_in.weight"].transpose(1, 2))
-        S["xin"] = xin
-    if absolute:
-        x = (x.view(K, B, T, d) + params[_ABS][:, None]).view(K, B * T, d)
-    few = _few(cfg, P, T)
-    S["few"] = few
-    for l in range(L):
-        pre = f"blocks.{l}."
-        W = params[pre + "attn.in_proj.weight"]
-        ln_w, ln_b = params[pre + "ln.weight"], params[pre + "ln.bias"]
-        W_out = params[pre + "attn.out_proj.weight"]
-        table = params[pre + "attn.pos_bias"]
-        gp, gc = g_pos[:, l], g_content[:, l]
-        W_p, scale = _per_head_rows(W, gc, d, H, dh, r)
-        Ws = W_p * scale[:, :, None]  # [K, H*w, d]
-        st = dict(W_p=W_p, scale=scale, Ws=Ws, ln_w=ln_w, ln_b=ln_b, W_out=W_out, gp=gp)
-        S["layers"].append(st)
-        if l < L - 1 or not few:
-            tb = table[:, :, off_all]  # [K, H, T, T]
-            if l == 0 and tokens and not absolute:
-                nE, mE, rE = _ln_fwd(E)
-                rows = torch.addcmul(ln_b[:, None, :], nE, ln_w[:, None, :])  # [K, V, d]
-                tab = torch.bmm(rows, Ws.transpose(1, 2))  # [K, V, H*w]
-                tab = tab.view(K, V, H, w).transpose(1, 2)  # [K, H, V, w]
-                hidx = (inputs.unsqueeze(1) + (torch.arange(K * H, device=dev) * V).view(K, H, 1, 1)).reshape(-1)
-                # q, k, v gathered each from its own (small, contiguous) table: the attention matmuls
-                # then read contiguous operands (bmm on strided slices of one [.., w] tensor measured 2x slower)
-                g = tuple(tab[..., a:b].reshape(K * H * V, b - a).index_select(0, hidx).view(K * H * B, T, b - a)
-                          for a, b in ((0, e), (e, 2 * e), (2 * e, w)))
-                st.update(kind="vocab", nE=nE, mE=mE, rE=rE, rows=rows, hidx=hidx)
-            else:
-                n, mean, rstd = _ln_fwd(x)
-                A = Ws * ln_w[:, None, :]
-                y = torch.baddbmm(torch.bmm(Ws, ln_b[:, :, None]).transpose(1, 2), n, A.transpose(1, 2))  # [K, BT, H*w]
-                y = y.view(K, B, T, H, w)
-                g = tuple(y[..., a:b].permute(0, 3, 1, 2, 4).reshape(K * H * B, T, b - a)  # contiguous, per head
-                          for a, b in ((0, e), (e, 2 * e), (2 * e, w)))
-                del y
-                st.update(kind="plain", x=x, n=n, mean=mean, rstd=rstd, A=A)
-            if rot is not None:  # RoPE: q and k rotated by position (the backward reads the rotated ones)
-                g = (rotate_pairs(g[0], *rot, dh), rotate_pairs(g[1], *rot, dh), g[2])
-            qe, ke, v = g
-            s = torch.bmm(qe, ke.transpose(1, 2)).view(K, H, B, T, T)
-            bias = _with_static(torch.addcmul(mask_all, gp[:, :, None, None], tb), params.get(f"{_STATIC}{l}"))
-            s.add_(bias.unsqueeze(2))
-            p = torch.softmax(s, -1).view(K * H * B, T, T)
-            z = torch.bmm(p, v)
-            zc = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
-            x = torch.baddbmm(x, zc, W_out.transpose(1, 2))
-            st.update(g=g, p=p, zc=zc, tb=tb)
-        else:
-            tb = table[:, :, off_q]  # [K, H, P, T]
-            x_in = x
-            n, mean, rstd = _ln_fwd(x)
-            Wn = (Ws * ln_w[:, None, :]).view(K, H, w, d)
-            bn = torch.bmm(Ws, ln_b[:, :, None]).view(K, H, w)
-            n4 = n.view(K, B, T, d)
-            nq = _take(n4, pos).reshape(K, B * P, d)
-            qa = torch.baddbmm(bn.view(K, 1, H * w), nq, Wn.view(K, H * w, d).transpose(1, 2))
-            q = qa.view(K, B * P, H, w)[..., :e].transpose(1, 2).reshape(K * H, B * P, e)
-            WnK = Wn[:, :, e:2 * e].reshape(K * H, e, d)
-            qt = torch.bmm(q, WnK).view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
-            nf = n.view(K * B, T, d)
-            s = torch.bmm(qt, nf.transpose(1, 2)).view(K, B, H, P, T)
-            bias = _with_static(torch.addcmul(mask_q, gp[:, :, None, None], tb), params.get(f"{_STATIC}{l}"))
-            s.add_(bias.unsqueeze(1))
-            pm = torch.softmax(s, -1).view(K * B, H * P, T)
-            nbar = torch.bmm(pm, nf).view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
-            W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
-            WnV = Wn[:, :, 2 * e:]  # [K, H, dh, d]
-            Mc = torch.matmul(W_o, WnV).permute(0, 1, 3, 2).reshape(K, H * d, d)
-            bnV = bn[:, :, 2 * e:].reshape(K, d)
-            c = torch.bmm(W_out, bnV[:, :, None])
-            xq = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
-            x = torch.baddbmm(xq + c.transpose(1, 2), nbar, Mc)
-            st.update(kind="few", x=x_in, n=n, mean=mean, rstd=rstd, Wn=Wn, nq=nq, q=q, WnK=WnK, qt=qt, nf=nf,
-                      pm=pm, nbar=nbar, W_o=W_o, WnV=WnV, Mc=Mc, bnV=bnV, tb=tb)
-    if not few:
-        x = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
-    nF, mF, rF = _ln_fwd(x)
-    wf, bf = params["ln_final.weight"], params["ln_final.bias"]
-    h = torch.addcmul(bf[:, None, :], nF, wf[:, None, :])
-    if tokens:
-        out = torch.bmm(h, E.transpose(1, 2))
-    else:
-        out = torch.baddbmm(params["read_out.bias"][:, None, :], h, params["read_out.weight"].transpose(1, 2))
-    S.update(xF=x, nF=nF, mF=mF, rF=rF, wf=wf, h=h)
-    if not tokens:
-        S["Wro"] = params["read_out.weight"]
-    return out.view(K, B, P, -1), S
-
-
-def _hand_backward(S, cfg, dout):
-    """Gradients of every parameter the fast forward reads, and of g_pos, g_content ([K, L, H]),
-    from dlogits ``dout`` ([K, B, P, out]) and the state ``_hand_forward`` saved."""
-    L, H, d, dh, r = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
-    e = dh + r
-    w = 2 * e + dh
-    K, B, T, P, tokens, few = S["K"], S["B"], S["T"], S["P"], S["tokens"], S["few"]
-    inv = _inverse_perm((d, H, dh, r), dout.device)
-    pos_t = S["pos_t"]
-    grads = {}
-    dout = dout.reshape(K, B * P, -1)
-    h = S["h"]
-    # logits = h E^T (tied) or h R^T + c; h = n * wf + bf; n = LN(xF)
-    if tokens:
-        E = S["E"]
-        dh_ = torch.bmm(dout, E)
-        dE = torch.bmm(dout.transpose(1, 2), h)  # [K, V, d]
-    else:
-        dh_ = torch.bmm(dout, S["Wro"])
-        grads["read_out.weight"] = torch.bmm(dout.transpose(1, 2), h)
-        grads["read_out.bias"] = dout.sum(1)
-    grads["ln_final.weight"] = (dh_ * S["nF"]).sum(1)
-    grads["ln_final.bias"] = dh_.sum(1)
-    dx = _ln_bwd(dh_ * S["wf"][:, None, :], S["xF"], S["mF"], S["rF"])  # [K, B*P, d]
-    if not few:  # back to all positions
-        dx = dx.new_zeros(K, B, T, d).index_add_(2, pos_t, dx.view(K, B, P, d)).view(K, B * T, d)
-    dgp = dout.new_zeros(K, L, H)
-    dgc = dout.new_zeros(K, L, H)
-    for l in reversed(range(L)):
-        pre = f"blocks.{l}."
-        st = S["layers"][l]
-        Ws, ln_w, ln_b, W_out = st["Ws"], st["ln_w"], st["ln_b"], st["W_out"]
-        if st["kind"] == "few":
-            # x_out = x[pos] + c^T + nbar Mc, Mc = (W_O,h WnV_h)^T stacked, c = W_out bnV
-            dxo = dx  # [K, B*P, d]
-            dc = dxo.sum(1)  # [K, d]
-            dnbar = torch.bmm(dxo, st["Mc"].transpose(1, 2))  # [K, B*P, H*d]
-            dM = torch.bmm(st["nbar"].transpose(1, 2), dxo).view(K, H, d, d).transpose(-1, -2)  # d(W_O,h WnV_h)
-            dW_o = torch.matmul(dM, st["WnV"].transpose(-1, -2))  # [K, H, d, dh]
-            dWnV = torch.matmul(st["W_o"].transpose(-1, -2), dM)  # [K, H, dh, d]
-            dW_out = torch.addcmul(dW_o.permute(0, 2, 1, 3).reshape(K, d, d), dc[:, :, None], st["bnV"][:, None, :])
-            dbnV = torch.bmm(dc[:, None, :], W_out).view(K, H, dh)
-            # nbar = pm nf; s = qt nf^T + bias; pm = softmax(s)
-            dnbar = dnbar.view(K, B, P, H, d).permute(0, 1, 3, 2, 4).reshape(K * B, H * P, d)
-            pm, nf, qt = st["pm"], st["nf"], st["qt"]
-            dpm = torch.bmm(dnbar, nf.transpose(1, 2))
-            ds = torch.ops.aten._softmax_backward_data(dpm, pm, -1, pm.dtype)  # [K*B, H*P, T]
-            dnf = torch.bmm(pm.transpose(1, 2), dnbar)
-            dnf = torch.baddbmm(dnf, ds.transpose(1, 2), qt)  # [K*B, T, d]
-            dqt = torch.bmm(ds, nf).view(K, B, H, P, d).permute(0, 2, 1, 3, 4).reshape(K * H, B * P, d)
-            dbias = ds.view(K, B, H, P, T).sum(1)
-            # qt = q WnK; q = nq WnQ^T + bnQ
-            q = st["q"]
-            dq = torch.bmm(dqt, st["WnK"].transpose(1, 2)).view(K, H, B * P, e)
-            dWnK = torch.bmm(q.transpose(1, 2), dqt).view(K, H, e, d)
-            dWnQ = torch.matmul(dq.transpose(-1, -2), st["nq"].unsqueeze(1))  # [K, H, e, d]
-            dbnQ = dq.sum(2)
-            dnq = torch.bmm(dq.transpose(1, 2).reshape(K, B * P, H * e), st["Wn"][:, :, :e].reshape(K, H * e, d))
-            dn = dnf.view(K, B, T, d).index_add_(2, pos_t, dnq.view(K, B, P, d)).view(K, B * T, d)
-            dA = torch.cat([dWnQ, dWnK, dWnV], 2).view(K, H * w, d)
-            dcb = torch.cat([dbnQ, dbnQ.new_zeros(K, H, e), dbnV], 2).view(K, H * w)
-            dWs, dlw, dlb = _fold_bwd(dA, dcb, Ws, ln_w, ln_b)
-            dx_new = _ln_bwd(dn, st["x"], st["mean"], st["rstd"])
-            dx_new.view(K, B, T, d).index_add_(2, pos_t, dxo.view(K, B, P, d))  # the residual
-            dtab, dgp[:, l] = _bias_bwd(dbias, st["tb"], st["gp"], S["off_q"], cfg.n_ctx)
-            grads[f"{_STATIC}{l}"] = dbias
-        else:
-            # x_out = x + zc W_out^T
-            # (saved tensors are popped as they are used: the step's peak memory, and with it the
-            # allocator's page faults, stays at the autograd path's level)
-            zc, p, g = st.pop("zc"), st.pop("p"), st.pop("g")
-            dW_out = torch.bmm(dx.transpose(1, 2), zc)
-            del zc
-            dz = torch.bmm(dx, W_out).view(K, B, T, H, dh).permute(0, 3, 1, 2, 4).reshape(K * H * B, T, dh)
-            qe, ke, v = g
-            ds = torch.ops.aten._softmax_backward_data(torch.bmm(dz, v.transpose(1, 2)), p, -1, p.dtype)
-            dbias = ds.view(K, H, B, T, T).sum(2)
-            dtab, dgp[:, l] = _bias_bwd(dbias, st["tb"], st["gp"], S["off_all"], cfg.n_ctx)
-            grads[f"{_STATIC}{l}"] = dbias
-            # dq, dk, dv, each written straight to its place (no concatenation of activation gradients)
-            rot = S["rot"]
-            unrot = (lambda t: t) if rot is None else (lambda t: rotate_pairs(t, rot[0], -rot[1], dh))  # R^T
-            pieces = ((0, e, lambda: unrot(torch.bmm(ds, ke))),
-                      (e, 2 * e, lambda: unrot(torch.bmm(ds.transpose(1, 2), qe))),
-                      (2 * e, w, lambda: torch.bmm(p.transpose(1, 2), dz)))
-            if st["kind"] == "vocab":
-                V = S["V"]
-                # g = tab[hidx]; tab = rows Ws^T (head-major); rows = LN(E) * ln_w + ln_b
-                dt = ds.new_zeros(K * H * V, w)
-                for a, b, f in pieces:
-                    dt[:, a:b].index_add_(0, st["hidx"], f().view(-1, b - a))
-                del ds, p, g, dz
-                dt = dt.view(K, H, V, w).transpose(1, 2).reshape(K, V, H * w)
-                dWs = torch.bmm(dt.transpose(1, 2), st["rows"])
-                drows = torch.bmm(dt, Ws)  # [K, V, d]
-                dlw = (drows * st["nE"]).sum(1)
-                dlb = drows.sum(1)
-                dE += _ln_bwd(drows * ln_w[:, None, :], E, st["mE"], st["rE"])
-                dx_new = dx
-            else:
-                # y = n A^T + c (A = Ws diag(ln_w), c = Ws ln_b), g = y per head; n = LN(x)
-                dy = ds.new_empty(K, B, T, H, w)
-                dyh = dy.permute(0, 3, 1, 2, 4)  # [K, H, B, T, w]
-                for a, b, f in pieces:
-                    dyh[..., a:b].copy_(f().view(K, H, B, T, b - a))
-                del ds, p, g, dz
-                dy = dy.view(K, B * T, H * w)
-                dA = torch.bmm(dy.transpose(1, 2), st["n"])
-                dn = torch.bmm(dy, st["A"])
-                dWs, dlw, dlb = _fold_bwd(dA, dy.sum(1), Ws, ln_w, ln_b)
-                dx_new = dx + _ln_bwd(dn, st["x"], st["mean"], st["rstd"])
-        dW, dgc[:, l] = _unscale(dWs, st["W_p"], st["scale"], inv, dh, e)
-        grads[pre + "attn.in_proj.weight"] = dW
-        grads[pre + "ln.weight"], grads[pre + "ln.bias"] = dlw, dlb
-        grads[pre + "attn.out_proj.weight"] = dW_out
-        grads[pre + "attn.pos_bias"] = dtab
-        dx = dx_new
-    if S["absolute"]:
-        grads[_ABS] = dx.view(K, B, T, d).sum(1)
-    if tokens:
-        V = S["V"]
-        dE += dx.new_zeros(K * V, d).index_add_(0, S["idx"], dx.reshape(-1, d)).view(K, V, d)
-        grads["embed.weight"] = dE
-    else:
-        grads["read_in.weight"] = torch.bmm(dx.transpose(1, 2), S["xin"])
-        grads["read_in.bias"] = dx.sum(1)
-    return grads, dgp, dgc
-
-
-class _Whole(torch.autograd.Function):
-    """The whole fast forward as one node: forward ``_hand_forward``, backward ``_hand_backward``.
-    Inputs after the fixed ones are the stacked parameter tensors in the order of ``names``."""
-
-    @staticmethod
-    def forward(ctx, cfg, inputs, pos, names, g_pos, g_content, *tensors):
-        out, S = _hand_forward(dict(zip(names, tensors)), cfg, inputs, g_pos, g_content, pos)
-        ctx.S, ctx.cfg, ctx.names = S, cfg, names
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        grads, dgp, dgc = _hand_backward(ctx.S, ctx.cfg, dout.contiguous())
-        del ctx.S
-        return (None, None, None, None, dgp, dgc, *(grads.get(n) for n in ctx.names))
-
-
-def hand_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torch.Tensor,
-                 g_pos: torch.Tensor, g_content: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``fast_forward`` with the hand-written backward (one autograd node for the whole model)."""
-    pos = tuple(int(p) for p in positions.tolist())
-    K, T = g_pos.shape[0], inputs.shape[-1 if cfg.d_in is None else -2]
-    dtype = params["blocks.0.attn.in_proj.weight"].dtype
-    static = _biases(params, cfg, K, T, pos, dtype, inputs.device)
-    # a static scheme's bias enters as one more input (computed here, in autograd, from the scheme's
-    # parameters); the hand backward returns its gradient, dbias
-    params = {**params, **{f"{_STATIC}{l}": b for l, b in enumerate(static) if b is not None}}
-    pe = _absolute(params, cfg, K, T, dtype)
-    if pe is not None:  # vanilla's position embedding: one more input, its gradient dx summed over the batch
-        params[_ABS] = pe
-    names = tuple(params)
-    return _Whole.apply(cfg, inputs, pos, names, g_pos, g_content, *(params[n] for n in names))

@@ -24,12 +24,8 @@ def _static() -> dict:
 
 
 def provenance() -> dict:
-    import os
-
     import torch
-    # the opt-in hand-written backward (fastpath.py, point 6) rounds differently: marked where it is on
-    hand = {"fast_backward": "hand"} if os.environ.get("SOFTPRIOR_BACKWARD") == "hand" else {}
-    return {**_static(), "threads": torch.get_num_threads(), **hand}
+    return {**_static(), "threads": torch.get_num_threads()}
 
 
 def code_version(summary: dict) -> str:

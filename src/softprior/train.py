@@ -37,7 +37,6 @@ from . import fastpath
 from .config import RunConfig
 from .fastpath import model_forward
 from .model import SoftPriorTransformer, build_model  # noqa: F401 - build_model: re-exported (train.build_model)
-from .optim import AdamW
 from .paths import PathConfig
 from .provenance import provenance
 from .runtime import training_settings
@@ -82,9 +81,17 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(named_params, cfg: RunConfig) -> AdamW:
-    """AdamW over (name, parameter) pairs (``param_groups``), at the config's learning rate."""
-    return AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr)
+def make_optimizer(named_params, cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW (Loshchilov & Hutter, ICLR 2019, Algorithm 2) over (name, parameter) pairs
+    (``param_groups``), at the config's learning rate: ``torch.optim.AdamW(fused=True)``, or its
+    non-fused implementation where the fused kernel has no implementation for the parameters' device
+    (torch < 2.4 on the CPU, inside the declared ``torch>=2.2``: its constructor raises). The two may
+    round differently in the last bits; runs are bit-identical between machines on the same branch."""
+    named = list(named_params)
+    try:
+        return torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=cfg.lr, fused=True)
+    except RuntimeError:  # fresh groups: the failed constructor has written its defaults into the first
+        return torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=cfg.lr, fused=False)
 
 
 @torch.no_grad()
