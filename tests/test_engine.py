@@ -143,12 +143,20 @@ def test_a_model_without_prior_trains_at_zero_gates_in_a_group_as_alone():
     assert torch.equal(grouped[0].state_dict["blocks.0.attn.pos_bias"], init["blocks.0.attn.pos_bias"])
 
 
-@pytest.mark.parametrize("baseline", ["rope", "kerple", "soft_pos_only"])
+@pytest.mark.parametrize("baseline", ["rope", "kerple", "soft_pos_only", "cope", "dape", "gpsa"])
 def test_static_and_gated_baselines_in_a_group_match_runs_alone(baseline):
-    """The vmapped readable model (rope), the fast path with a learned static bias (kerple) and the
-    fast path with gates (soft_* baselines) take their per-step gates from the same rules as
-    train.train (train.step_gates), and a run trained in a group matches it trained alone."""
+    """The fast path with a rotation (rope), a learned static bias (kerple), gates (soft_* baselines)
+    and a contextual scheme (cope, dape, gpsa: the scheme vmapped over the group's runs, called once
+    per run alone) takes its per-step gates from the same rules as train.train (train.step_gates),
+    and a run trained in a group matches it trained alone.
+
+    DAPE's MLP biases are compared to lr x steps only: the output bias adds a constant to every logit
+    of a head's row, which the softmax cancels, so its gradient is zero but for rounding (and the
+    first layer's bias nearly so: the softmax gradient sums to zero over a row); AdamW's normalised
+    step turns those rounding-level gradients into steps of up to ~lr, different in a group and alone
+    (the vmapped readable model did the same). The losses and every other weight agree to 1e-5."""
     cfgs = [tiny_config(seed=s, baseline=baseline, steps=10, eval_every=5) for s in (0, 1)]
+    flat = (".scheme.f.0.bias", ".scheme.f.2.bias") if baseline == "dape" else ()
     for cfg, g in zip(cfgs, train_group(cfgs)):
         alone = train(cfg)
         for ra, rg in zip(alone.metrics, g.metrics):
@@ -156,7 +164,8 @@ def test_static_and_gated_baselines_in_a_group_match_runs_alone(baseline):
             for k in ra:
                 assert ra[k] == pytest.approx(rg[k], rel=1e-5, abs=1e-5), (baseline, k)
         for name, w in alone.state_dict.items():
-            assert torch.allclose(w, g.state_dict[name], atol=1e-5), (baseline, name)
+            atol = cfg.lr * cfg.total_steps if name.endswith(flat) else 1e-5
+            assert torch.allclose(w, g.state_dict[name], atol=atol), (baseline, name)
 
 
 def test_a_group_is_stacked_before_it_moves_to_its_device():

@@ -248,13 +248,20 @@ def test_jobs_are_balanced_groups_longest_first():
     assert jobs[0][0].model.n_layers == 4
 
 
-def test_jobs_off_the_fast_path_are_scheduled_as_the_costlier_ones():
-    # same shapes and group sizes: DAPE (readable model, its MLP over every (i, j)) before GPSA (readable
-    # model) before ALiBi (fast path), so the slowest groups do not end a sweep running alone
+def test_jobs_off_the_fast_path_are_scheduled_as_the_costlier_ones(monkeypatch):
+    # same shapes and group sizes: a scheme off the fast path with a measured factor (here DAPE, as it was
+    # before it joined the fast path) before one with the default factor (GPSA) before a fast-path one
+    # (ALiBi), so the slowest groups do not end a sweep running alone
+    from softprior import executors, fastpath
     from softprior.config import make_run_config
     from softprior.executors import _jobs
     cfgs = [make_run_config("assoc_recall", seed=s, baseline=b, steps=40, calibrated=False)
             for b in ("alibi", "gpsa", "dape") for s in range(2)]
+    assert all(fastpath.supports(c.model) for c in cfgs) and not executors.READABLE_STEP_COST  # all on the fast path
+    assert len({executors._job_cost([c]) for c in cfgs}) == 1  # so the same cost
+    supports = fastpath.supports
+    monkeypatch.setattr(fastpath, "supports", lambda m: m.positional == "alibi" and supports(m))
+    monkeypatch.setattr(executors, "READABLE_STEP_COST", {"dape": 5.3})
     assert [j[0].model.positional for j in _jobs(cfgs, 2)] == ["dape", "gpsa", "alibi"]
 
 

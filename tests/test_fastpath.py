@@ -1,4 +1,4 @@
-"""The hand-fused, run-stacked forward (fastpath.py) against the readable model (model.py): same
+"""The fused, run-stacked forward (fastpath.py) against the readable model (model.py): same
 logits and same gradients, to 1e-5, on random weights, for several runs stacked at once.
 
 Computed in float64 so that 1e-5 tests the algebra, not float32 rounding (the re-associations
@@ -78,10 +78,9 @@ def test_fast_forward_matches_the_readable_model_in_logits_and_gradients(task, g
     _assert_same_logits_and_gradients(fast, ref, params, models)
 
 
-def test_model_forward_uses_the_readable_model_for_schemes_and_hooks():
-    for name in ("cope", "dape", "gpsa"):  # contextual schemes
-        assert not supports(make_run_config("assoc_recall", baseline=name).model), name
-    for name in FAST_SCHEMES:  # an additive bias, nothing, an absolute table, a rotation
+def test_model_forward_uses_the_readable_model_for_hooks():
+    # an additive bias, nothing, an absolute table, a rotation, a contextual logit or pattern
+    for name in FAST_SCHEMES + CONTEXTUAL_SCHEMES:
         assert supports(make_run_config("assoc_recall", baseline=name).model), name
     assert supports(make_run_config("assoc_recall").model)
     m = build_model(make_run_config("assoc_recall"))
@@ -118,6 +117,7 @@ def test_fast_forward_beyond_the_training_length_matches_the_readable_model():
 
 # ------------------------------------------------------------------ static schemes on the fast path
 FAST_SCHEMES = ["nope", "alibi", "t5", "kerple", "kerple_power", "fire", "vanilla", "rope"]
+CONTEXTUAL_SCHEMES = ["cope", "dape", "gpsa"]  # tested below: they read the content
 
 
 def _scheme_models(task, baseline, n_runs=2, n_layers=2):
@@ -156,13 +156,62 @@ def test_static_schemes_on_the_fast_path_match_the_readable_model(baseline, task
 
 
 
-@pytest.mark.parametrize("baseline", FAST_SCHEMES)
+@pytest.mark.parametrize("baseline", FAST_SCHEMES + CONTEXTUAL_SCHEMES)
 def test_static_schemes_beyond_the_training_length_match_the_readable_model(baseline):
     """The length test evaluates at T = 120 > n_ctx through ``model_forward``: each scheme's own rule
-    beyond the training length (T5's clipped buckets, vanilla's extra rows, RoPE's new angles) holds."""
+    beyond the training length (T5's clipped buckets, vanilla's extra rows, RoPE's new angles, CoPE's
+    clamped counts, DAPE's Kerple base, GPSA's quadratic) holds."""
     cfgs, models = _scheme_models("assoc_recall", baseline, n_runs=1)
     m = models[0]
     tokens = torch.randint(0, m.cfg.vocab, (4, 120), generator=torch.Generator().manual_seed(3))
     pos = torch.tensor([119])
     with torch.no_grad():
         assert torch.allclose(model_forward(m, tokens, None, None, pos), m(tokens, positions=pos), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ contextual schemes on the fast path
+
+@pytest.mark.parametrize("baseline", CONTEXTUAL_SCHEMES)
+@pytest.mark.parametrize("task", ["assoc_recall", "markov-determined", "linear_icl"])
+def test_contextual_schemes_on_the_fast_path_match_the_readable_model(baseline, task):
+    """Logits and every gradient, the scheme's parameters included, to 1e-5 in float64, with K = 2
+    (vmapped over the runs) and K = 1 (each run alone, no vmap): the re-associated last layer on assoc
+    (one loss position) and linear ICL (16 of 32), the plain one on Markov-determined (every position),
+    layer 0 on the vocabulary on the token tasks."""
+    from softprior.fastpath import _scheme_kind
+    for K in (2, 1):
+        cfgs, models = _scheme_models(task, baseline, n_runs=K)
+        inputs, pos, params = _batch_and_params(cfgs, models)
+        L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
+        zeros = torch.zeros(K, L, H, dtype=torch.float64)  # prior off: gates 0, as the readable model's
+        fast = fast_forward(params, cfgs[0].model, inputs, zeros, zeros, pos)
+        ref = torch.stack([m(inputs, positions=pos) for m in models])
+        _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero=True)
+        scheme = [n for n in params if ".scheme." in n]
+        assert {n.split(".")[1] for n in scheme} == {str(l) for l in range(L)}  # every layer has its scheme
+        assert all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in scheme), scheme
+    assert _scheme_kind(cfgs[0].model.positional) in ("logits", "pattern")
+
+
+@pytest.mark.parametrize("baseline", CONTEXTUAL_SCHEMES)
+def test_contextual_schemes_with_the_content_prior_on_match_the_readable_model(baseline):
+    """The scheme receives the logits with the content factors folded in (the readable model's
+    ``scores``) and the prior's gated bias comes after ``adjust_logits``: with both gates forced on
+    (not a baseline's setting, but the same function) the two computations still agree."""
+    cfgs = [make_run_config("assoc_recall", "unforced", s, calibrated=False, model_options=dict(positional=baseline))
+            for s in range(2)]
+    assert cfgs[0].model.prior
+    models = [build_model(c).double() for c in cfgs]
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for m in models:
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    inputs, pos, params = _batch_and_params(cfgs, models)
+    L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
+    gp = torch.full((2, L, H), 0.7, dtype=torch.float64)
+    gc = torch.full((2, L, H), 0.4, dtype=torch.float64)
+    fast = fast_forward(params, cfgs[0].model, inputs, gp, gc, pos)
+    ref = torch.stack([m(inputs, 0.7, 0.4, positions=pos) for m in models])
+    _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero=True)
+

@@ -3,11 +3,12 @@
 The training loop itself is ``train.train_runs`` (``train.Runs``: the K runs' parameters stacked on a
 leading run dimension, one step and one evaluation for all of them); ``train.train`` is the same
 loop with K = 1, so a run's per-step rules (gates, prior dropout, dual loss, clipping, logging)
-exist once. Every model ``fastpath.supports`` (no static scheme, or a bias, absolute or rotary one)
-runs through ``fastpath.fast_forward``, written for the run dimension; the contextual schemes apply
-the readable model with ``torch.func.vmap(functional_call(...))``. Either way every op runs once per step for
-all K runs, so the per-op overhead that dominates a tiny model is paid once, not K times. On a GPU
-the same code path trains a whole sweep in a few kernels per op.
+exist once. Every model ``fastpath.supports`` (no positional scheme, or any registered one: bias,
+absolute, rotary or contextual) runs through ``fastpath.fast_forward``, written for the run dimension;
+a model it does not support (a scheme it does not know) applies the readable model with
+``torch.func.vmap(functional_call(...))``. Either way every op runs once per step for all K runs,
+so the per-op overhead that dominates a tiny model is paid once, not K times. On a GPU the same
+code path trains a whole sweep in a few kernels per op.
 
 Runs in a group must share everything that fixes tensor shapes and the optimiser: task, model,
 batch size, step budget, learning rate, weight decay, eval interval and validation set

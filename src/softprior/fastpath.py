@@ -35,7 +35,7 @@ What it does differently (each an exact algebraic identity, so only rounding dif
 5. **The residual add fused into the output projection** (``baddbmm``), the position bias gathered
    once per step as [K, H, T, T] with the causal mask added in, no [B, H, T, T] bias tensor.
 
-6. **Static schemes** (``_scheme_kind``), each computed by the scheme's own code on the run's own
+6. **Positional schemes** (``_scheme_kind``), each computed by the scheme's own code on the run's own
    parameters (``functional_call`` of a template scheme, vmapped over the runs):
    - those that only add a bias (ALiBi, T5, Kerple log and power, FIRE): b_h(i, j) per layer, added
      to the prior's bias before the mask, as ``AdditiveBias.adjust_logits`` adds it in the readable
@@ -45,13 +45,27 @@ What it does differently (each an exact algebraic identity, so only rounding dif
    - RoPE: the first d_head columns of q and k rotated by position after the projections (the
      content-factor columns are not rotated, as in the readable model); the last layer runs the plain
      way (point 4's re-association does not pass through a rotation between q_i and k_j).
+   - the contextual schemes (positional/contextual.py), whose logit or pattern depends on the content:
+     CoPE and DAPE ("logits": ``adjust_logits`` of the logits q_ext . k_ext, content factors included,
+     and of the unscaled q, before the prior's bias and the mask, as the readable ``Attention.forward``),
+     GPSA ("pattern": ``mix_pattern`` of the softmax). The scheme runs on the logits laid out
+     [K, B, H, Tq, T] (``_scheme_pattern``), vmapped over the runs (one run: no vmap). The fused
+     ``_Attention`` node only adds a batch-independent bias, so every plain layer of these schemes forms
+     its logits and pattern in autograd instead (``_contextual_attention``); layer 0 still projects on
+     the vocabulary (point 3: the input is still the token alone). The re-associated last layer (point
+     4) stays: for CoPE and DAPE, which read the logits and not only their softmax, it adds back
+     point 4's const_i (q_ext,i . the key and content-factor rows applied to the LayerNorm bias), which
+     only a softmax cancels, and passes q at the loss positions (neither scheme reads k, which this
+     layer never forms); GPSA's mixed pattern is renormalised to rows summing to 1,
+     so the values re-associate as before.
    Against ``vmap`` of the readable model, per run-step (docs/PERFORMANCE.md): ~2x for the bias
-   schemes and NoPE, 1.2-1.4x for vanilla, 1.1-1.4x for RoPE.
+   schemes and NoPE, 1.2-1.4x for vanilla, 1.1-1.4x for RoPE (the contextual schemes:
+   benchmarks/contextual_fastpath.py).
 
-Supported: the soft-prior model with no static positional scheme or one of nope, alibi, t5, kerple,
-kerple_power, fire, vanilla, rope (the soft_* baselines and every path), token and vector tasks, any
-gate granularity. Anything else (the contextual schemes CoPE, DAPE, GPSA; active hooks) goes through
-the readable model (``supports``).
+Supported: the soft-prior model with no positional scheme or any registered one (nope, alibi, t5,
+kerple, kerple_power, fire, vanilla, rope, cope, dape, gpsa; the soft_* baselines and every path),
+token and vector tasks, any gate granularity. Anything else (a scheme ``_scheme_kind`` does not know;
+active hooks) goes through the readable model (``supports``).
 """
 
 from __future__ import annotations
@@ -77,13 +91,16 @@ def supports(cfg: ModelConfig) -> bool:
 
 @lru_cache(maxsize=None)
 def _scheme_kind(name: str) -> str | None:
-    """How the fast path treats a static positional scheme: None (no scheme), "none" (the identity
-    scheme, NoPE), "bias" (a scheme whose only effect is ``AdditiveBias.adjust_logits``: ALiBi, T5,
-    Kerple, FIRE), "absolute" (vanilla's learned table added to the input), "rotary" (RoPE), or
-    "unsupported" (the contextual schemes: the readable model computes those)."""
+    """How the fast path treats a positional scheme: None (no scheme), "none" (the identity scheme,
+    NoPE), "bias" (a scheme whose only effect is ``AdditiveBias.adjust_logits``: ALiBi, T5, Kerple,
+    FIRE), "absolute" (vanilla's learned table added to the input), "rotary" (RoPE), "logits" (a
+    contextual scheme whose only effect is its ``adjust_logits`` of the logits and q, never k: CoPE,
+    DAPE), "pattern" (one whose only effect is its ``mix_pattern``: GPSA), or "unsupported" (any
+    other scheme: the readable model computes it). Classes are matched exactly (a subclass may read
+    what its parent does not), so a new scheme is "unsupported" until the fast path is taught it."""
     if name == "none":
         return None
-    from .positional import SCHEMES, AdditiveBias, LearnedAbsolute, PositionalScheme, RoPE
+    from .positional import GPSA, SCHEMES, AdditiveBias, CoPE, DAPE, LearnedAbsolute, PositionalScheme, RoPE
     cls = SCHEMES[name][0]
     changed = {f for f in ("embed_positions", "rotate", "adjust_logits", "mix_pattern")
                if getattr(cls, f) is not getattr(PositionalScheme, f)}
@@ -95,7 +112,14 @@ def _scheme_kind(name: str) -> str | None:
         return "absolute"
     if changed == {"rotate"} and cls is RoPE:
         return "rotary"
+    if changed == {"adjust_logits"} and cls in (CoPE, DAPE):  # positional/contextual.py: neither reads k
+        return "logits"
+    if changed == {"mix_pattern"} and cls is GPSA:
+        return "pattern"
     return "unsupported"
+
+
+_CONTEXTUAL = ("logits", "pattern")  # the kinds whose scheme reads the content (point 6)
 
 
 class _SchemeCall(torch.nn.Module):
@@ -119,18 +143,61 @@ def _scheme_module(name: str, method: str, H: int, dh: int, d: int, n_ctx: int, 
     return _SchemeCall(scheme, method)
 
 
-def _scheme_eval(params: dict, cfg: ModelConfig, layer: int, K: int, method: str, *args) -> torch.Tensor:
+def _scheme_eval(params: dict, cfg: ModelConfig, layer: int, K: int, method: str, *args,
+                 per_run: tuple[bool, ...] = ()) -> torch.Tensor:
     """``scheme.method(*args)`` of layer ``layer``'s scheme for each of K runs, from the run-stacked
-    scheme parameters (``blocks.{layer}.attn.scheme.*``): [K, ...] (vmapped over the runs)."""
+    scheme parameters (``blocks.{layer}.attn.scheme.*``): [K, ...] (vmapped over the runs).
+    ``per_run[i]``: args[i] is the runs' own [K, ...] tensor (a contextual scheme's logits, q or
+    pattern), mapped with the parameters; the other args (positions, None) are the same for every run."""
     mod = _scheme_module(cfg.positional, method, cfg.n_heads, cfg.d_head, cfg.d_model, cfg.n_ctx, layer, cfg.n_layers)
     pre = f"blocks.{layer}.attn."
     sub = {n[len(pre):]: p for n, p in params.items() if n.startswith(pre + "scheme.")}
-    if not sub:  # no parameters (ALiBi): the same value for every run
-        out = mod(*args)
-        return out[None].expand(K, *out.shape)
-    if K == 1:  # strict: every parameter of the scheme comes from the run (never the template's own)
-        return functional_call(mod, {n: p[0] for n, p in sub.items()}, args, strict=True)[None]
-    return vmap(lambda p: functional_call(mod, p, args, strict=True))(sub)
+    batched = tuple(i < len(per_run) and per_run[i] and a is not None for i, a in enumerate(args))
+    if not any(batched):
+        if not sub:  # no parameters (ALiBi): the same value for every run
+            out = mod(*args)
+            return out[None].expand(K, *out.shape)
+        if K == 1:  # strict: every parameter of the scheme comes from the run (never the template's own)
+            return functional_call(mod, {n: p[0] for n, p in sub.items()}, args, strict=True)[None]
+        return vmap(lambda p: functional_call(mod, p, args, strict=True))(sub)
+    if K == 1:  # one run: its own slice of everything, no vmap (fewer ops)
+        one = tuple(a[0] if b else a for a, b in zip(args, batched))
+        return functional_call(mod, {n: p[0] for n, p in sub.items()}, one, strict=True)[None]
+    return vmap(lambda p, *a: functional_call(mod, p, a, strict=True),
+                in_dims=(0, *(0 if b else None for b in batched)))(sub, *args)
+
+
+def _scheme_pattern(params: dict, cfg: ModelConfig, layer: int, s: torch.Tensor, q: torch.Tensor | None,
+                    k: torch.Tensor | None, bias: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+    """A contextual scheme's attention pattern, as the readable ``Attention.forward`` computes it:
+    ``adjust_logits(s, q, k)`` (CoPE, DAPE), + the prior's bias and the mask, softmax, ``mix_pattern``
+    (GPSA), each the scheme's own code on the run's parameters. s: [K, B, H, Tq, T] the logits
+    q_ext . k_ext (the content factors included, as the readable model's ``scores``); q, k: [K, B, H, ., d_head]
+    unscaled (None where the kind does not read them); bias: [K, H, Tq, T]. Returns [K, B, H, Tq, T]."""
+    kind, K = _scheme_kind(cfg.positional), s.shape[0]
+    if kind == "logits":
+        s = _scheme_eval(params, cfg, layer, K, "adjust_logits", s, q, k, qpos, kpos, per_run=(True, True, True))
+    p = torch.softmax(s + bias.unsqueeze(1), -1)
+    if kind == "pattern":
+        p = _scheme_eval(params, cfg, layer, K, "mix_pattern", p, qpos, kpos, per_run=(True,))
+    return p
+
+
+def _contextual_attention(params: dict, cfg: ModelConfig, layer: int, qe: torch.Tensor, ke: torch.Tensor,
+                          v: torch.Tensor, bias: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+    """``_Attention`` for a contextual scheme (point 6), in autograd: z = pattern v with the pattern of
+    ``_scheme_pattern`` (the fused node's additive bias cannot express a logit or pattern that depends
+    on the content). qe, ke: [K*H*B, T, e] per head (qe's first d_head columns are q / sqrt(d_head),
+    point 2); v: [K*H*B, T, d_head]; bias: [K, H, T, T]. Returns [K*H*B, T, d_head]."""
+    K, H, T = bias.shape[0], bias.shape[1], bias.shape[-1]
+    B, e, dh = qe.shape[0] // (K * H), qe.shape[-1], cfg.d_head
+    s = torch.bmm(qe, ke.transpose(1, 2)).view(K, H, B, T, T).transpose(1, 2)  # [K, B, H, T, T]: the scheme's layout
+    q = k = None
+    if _scheme_kind(cfg.positional) == "logits":  # the readable model passes the unscaled q (and k)
+        q = qe.view(K, H, B, T, e)[..., :dh].transpose(1, 2) * math.sqrt(dh)
+        k = ke.view(K, H, B, T, e)[..., :dh].transpose(1, 2)
+    p = _scheme_pattern(params, cfg, layer, s, q, k, bias, kpos, kpos)
+    return torch.bmm(p.transpose(1, 2).reshape(K * H * B, T, T), v)
 
 
 def _few(cfg: ModelConfig, P: int, T: int) -> bool:
@@ -311,6 +378,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     Returns [K, B, P, vocab] logits (or [K, B, P, d_out]), equal to
     ``model(inputs, g_pos, g_content, positions=positions)`` for each run.
     """
+    contextual = _scheme_kind(cfg.positional) in _CONTEXTUAL
     L, H, d, dh, r = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
     e = dh + r
     K = g_pos.shape[0]
@@ -325,6 +393,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     dtype = params["blocks.0.attn.in_proj.weight"].dtype
     static = _biases(params, cfg, K, T, pos, dtype, inputs.device)
     pe, rot = _absolute(params, cfg, K, T, dtype), _rope_tables(cfg, T, dtype, inputs.device)  # point 6
+    kpos = torch.arange(T, device=inputs.device)
 
     if tokens:
         E = params["embed.weight"]  # [K, V, d]
@@ -374,7 +443,10 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             bias = _with_static(_pos_bias(table, gp, off_all, mask_all), static[l])
             if rot is not None:
                 qe, ke = rotate_pairs(qe, *rot, dh), rotate_pairs(ke, *rot, dh)
-            z = _Attention.apply(qe, ke, v, bias)  # [K*H*B, T, dh]
+            if contextual:  # CoPE, DAPE, GPSA: the scheme's own code between logits and pattern (point 6)
+                z = _contextual_attention(params, cfg, l, qe, ke, v, bias, kpos)
+            else:
+                z = _Attention.apply(qe, ke, v, bias)  # [K*H*B, T, dh]
             z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
             x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 5)
         else:
@@ -393,8 +465,22 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             qt = torch.bmm(q, Wn[:, :, e:2 * e].reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
             qt = qt.view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
             s = torch.bmm(qt, n4.reshape(K * B, T, d).transpose(1, 2)).view(K, B, H, P, T)
-            s = s + _with_static(_pos_bias(table, gp, off_q, mask_q), static[l]).unsqueeze(1)
-            nbar = torch.bmm(s.softmax(-1).view(K * B, H * P, T), n4.reshape(K * B, T, d))  # [K*B, H*P, d]
+            bias = _with_static(_pos_bias(table, gp, off_q, mask_q), static[l])
+            if contextual:  # point 6: the scheme's own code on these P queries' logits and pattern
+                qs = None
+                if _scheme_kind(cfg.positional) == "logits":
+                    # CoPE and DAPE read the logits themselves, not only their softmax: add back point 4's
+                    # const_i = q_ext,i . bn_K (the key and content-factor rows applied to the LayerNorm
+                    # bias; it cancels only in a softmax), and pass the unscaled q; the keys are never
+                    # formed here (neither scheme reads k)
+                    const = torch.bmm(q, bn[:, :, e:2 * e].reshape(K * H, e, 1))  # [K*H, B*P, 1]
+                    s = s + const.view(K, H, B, P, 1).transpose(1, 2)
+                    qs = q.view(K, H, B, P, e)[..., :dh].transpose(1, 2) * math.sqrt(dh)
+                # a mixed pattern's rows still sum to 1 (GPSA renormalises), so the values re-associate as before
+                pm = _scheme_pattern(params, cfg, l, s, qs, None, bias, torch.tensor(pos, device=inputs.device), kpos)
+            else:
+                pm = (s + bias.unsqueeze(1)).softmax(-1)
+            nbar = torch.bmm(pm.reshape(K * B, H * P, T), n4.reshape(K * B, T, d))  # [K*B, H*P, d]
             nbar = nbar.view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
             W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
             M = torch.matmul(W_o, Wn[:, :, 2 * e:])  # [K, H, d, d] = W_O,h W_V,h (LN weight folded)

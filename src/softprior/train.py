@@ -156,9 +156,9 @@ class Runs:
     and ``engine.train_group`` both use.
 
     Forward: ``fastpath.fast_forward``, written for the run dimension (a test holds it to the readable
-    ``model.py``), for every model it supports (no static scheme, or nope, alibi, t5, kerple,
-    kerple_power, fire, vanilla, rope); the contextual schemes (cope, dape, gpsa) apply the readable
-    model with ``vmap(functional_call(...))``.
+    ``model.py``), for every model it supports (no positional scheme, or nope, alibi, t5, kerple,
+    kerple_power, fire, vanilla, rope, cope, dape, gpsa); a model it does not support (a scheme it does
+    not know) applies the readable model with ``vmap(functional_call(...))``.
     What stays per run (the per-step rules above): the data (each run's own generator), the gates
     (``step_gates``, ``prior_dropped``; a learned gate is the run's own sigmoid(logit)), the dual
     loss (a per-run 0/1 weight) and gradient clipping (the global norm of the run's own slice of
@@ -199,7 +199,7 @@ class Runs:
                 return fastpath.fast_forward(p, c0.model, inputs, gp, gc, loss_pos)
             self.forward = self.forward_val = batched
             self.shared_inputs = self.K == 1
-        else:  # the contextual schemes: the readable model, vmapped over the runs
+        else:  # a scheme the fast path does not know: the readable model, vmapped over the runs
             def fwd(p, inputs, gp, gc):
                 return functional_call(self.base, p, (inputs, gp, gc), {"positions": loss_pos})
             self.forward = vmap(fwd, in_dims=(0, 0, 0, 0))

@@ -23,12 +23,14 @@ Conventions shared by all schemes:
 - parameters live on the scheme instance. Each layer gets its own instance (``make_scheme(...,
   layer=l)``); where a reference shares parameters across layers we say so and say what we do;
 - every forward is functional (no in-place writes to parameters, no ``.item()``), so the schemes
-  run under ``torch.func.vmap(functional_call(...))`` as the grouped engine (engine.py) needs.
+  run under ``torch.func.vmap(functional_call(...))`` as the fast path (fastpath.py, point 7) and the
+  grouped engine's readable fallback (train.py) need.
 
 Layout: ``base`` (the interface and shared helpers), one module per family (``absolute``: vanilla,
 NoPE; ``rotary``: RoPE; ``bias``: ALiBi, T5, Kerple, FIRE; ``contextual``: CoPE, DAPE, GPSA), and the
 registry here. Adding a scheme: write one subclass (set ``name``; take ``**dims`` and pass them to
-``super().__init__``; override the calls it needs) and add one ``SCHEMES`` entry.
+``super().__init__``; override the calls it needs) and add one ``SCHEMES`` entry. It trains through
+the readable model (vmapped) until ``fastpath._scheme_kind`` is taught it.
 
 The three soft-prior baselines (soft_bias, soft_pos_only, soft_content_only) are not schemes here:
 they are the model's own gated prior on top of NoPE. The list of baselines (schemes and gated priors,
