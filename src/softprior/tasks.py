@@ -76,6 +76,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -476,7 +478,10 @@ class LinearICL(Task):
         "least_squares" (min-norm, pinv), "bayes" (the posterior mean under the generator's prior:
         ridge with lambda = noise^2 / s for w ~ N(0, s I); least squares when noise = 0 and n >= d),
         and "gd_step": one step of gradient descent on the context's squared loss from w = 0,
-        w = eta X^T y, with the best scalar eta on this batch (a least-squares fit of eta)."""
+        w = eta X^T y, with the best scalar eta on this batch (a least-squares fit of eta).
+        With label noise and n context points, d <= n <= d + 1, least squares' expected error is infinite
+        (for Gaussian x, E[tr((X^T X)^-1)] = d / (n - d - 1) once n > d + 1, and diverges at n = d + 1
+        and n = d): "least_squares" is then inf, not a Monte Carlo average of a heavy tail."""
         X, yc, xq, yq = (t.double() for t in self.context(batch))
         s = 1.0 if self.cfg.w_scale == "unit" else 1.0 / self.cfg.d
         lam = self.cfg.noise ** 2 / s
@@ -484,7 +489,9 @@ class LinearICL(Task):
         def err(w):
             return float(((xq[:, None] @ w)[:, 0, 0] - yq).pow(2).mean() / self.cfg.y_var)
 
-        out = {"least_squares": err(torch.linalg.pinv(X) @ yc[..., None])}
+        n, d = X.shape[1], X.shape[2]
+        heavy = self.cfg.noise > 0 and d <= n <= d + 1
+        out = {"least_squares": math.inf if heavy else err(torch.linalg.pinv(X) @ yc[..., None])}
         if lam > 0:
             eye = torch.eye(X.shape[-1], dtype=X.dtype)
             out["bayes"] = err(torch.linalg.solve(X.transpose(1, 2) @ X + lam * eye, X.transpose(1, 2) @ yc[..., None]))
