@@ -551,3 +551,20 @@ def test_a_registered_default_trains_the_configurations_the_search_measured(tmp_
         again = make_run_config("assoc_recall", row.path, seed, steps=4, calibrated=False,
                                 task_options={**rec["task_options"], **row.task}, model_options=m)
         assert again.run_id == cfg.run_id
+
+
+def test_an_infeasible_candidate_says_why_in_one_line():
+    """The reason recorded for an infeasible candidate names the problem, without pydantic's
+    "Value error, " prefix or its documentation link (``search._reason``)."""
+    from pydantic import ValidationError
+
+    from softprior.calibration.search import _reason, candidate_configs
+    space = load_space("linear_icl_formats")
+    with pytest.raises(ValidationError) as e:
+        candidate_configs(space, {"format": "interleaved", "d": 4, "n_points": 31}, {}, [0])
+    assert _reason(e.value) == ("task.n_points=31 does not fit in the context of 32 tokens "
+                                "(at most 15 in the interleaved format)")
+    with pytest.raises(ValidationError) as e:
+        make_run_config("markov", "unforced", seed=0, task_options={"p": 7.0})
+    assert _reason(e.value) == "p: Input should be less than or equal to 1"
+    assert _reason(ValueError("a\n  b")) == "a b"

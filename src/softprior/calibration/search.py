@@ -81,6 +81,18 @@ def ceiling(space: SearchSpace, t_opts: dict, m_opts: dict, row: Row | None = No
     return task.bayes_accuracy() if hasattr(task, "bayes_accuracy") else (math.nan, math.nan)
 
 
+def _reason(e: ValueError) -> str:
+    """Why a candidate is infeasible, in one line: pydantic's errors as "field: message" (without its
+    "Value error, " prefix and its documentation link), any other ValueError as it reads."""
+    errs = e.errors() if hasattr(e, "errors") else None
+    if not errs:
+        return " ".join(str(e).split())
+    def one(x):
+        loc, msg = ".".join(map(str, x.get("loc", ()))), str(x.get("msg", "")).removeprefix("Value error, ")
+        return f"{loc}: {msg}" if loc else msg
+    return "; ".join(map(one, errs))
+
+
 def check_ceiling(space: SearchSpace, t_opts: dict, m_opts: dict) -> None:
     """Raise ValueError (the candidate is infeasible) if its ceiling, two standard errors up, lies below
     an accuracy the paper reports for that row (``criteria.PAPER_ACCURACY``)."""
@@ -210,7 +222,7 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
                 candidate_configs(space, t_opts, m_opts, full, steps=steps)
                 check_ceiling(space, t_opts, m_opts)
             except ValueError as e:  # pydantic's ValidationError is a ValueError
-                msg = str(e).splitlines()[-1] if "\n" in str(e) else str(e)
+                msg = _reason(e)
                 tr.set_user_attr("infeasible", msg[:300])
                 study.tell(tr, state=TrialState.FAIL)
                 continue
