@@ -269,8 +269,10 @@ def test_register_refuses_after_a_prediction_row_and_names_the_record(tmp_path):
     (_, _, early), *_ = candidate_configs(space, other.task_options, other.model_options, [0],
                                           rows=prediction_rows("assoc_recall"), steps=4)
     execute([early], store, progress=False, require_calibration=False)
-    with pytest.raises(ValueError, match="trained before its calibration record"):
+    with pytest.raises(CalibrationMissing, match="trained before its calibration record"):
         register(space, store, [other], steps=4)
+    with pytest.raises(CalibrationMissing, match="no measured candidate"):  # one line at the command line
+        register(space, store, [], steps=4)
 
 
 def test_formation_by_axis_names_the_axis_that_moves_formation():

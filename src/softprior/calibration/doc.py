@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from .criteria import criteria_for
-from .record import calibration_key, make_record
+from .record import CalibrationMissing, calibration_key, make_record
 from .report import candidates_table, choose, criteria_text, formation_by_axis
 from .robustness import claim_counts, mapped, prediction_rows
 from .search import candidate_configs
@@ -23,18 +23,19 @@ def _nearest(cands):
 
 def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
     """Write the choice (``report.choose``; if no candidate passes, the nearest, marked as failing)
-    to the store, and refuse if a prediction row of it was trained before."""
+    to the store, and refuse if a prediction row of it was trained before (``CalibrationMissing``, which
+    the command line reports in one line, as it does when no candidate was measured)."""
     c = choose(cands)
     passes = c is not None
     if c is None:
         c = _nearest(cands)
         if c is None:
-            raise ValueError(f"search {space.name!r} has no measured candidate to register")
+            raise CalibrationMissing(f"search {space.name!r} has no measured candidate to register")
     pred = candidate_configs(space, c.task_options, c.model_options, range(space.seeds),
                              rows=prediction_rows(space.task), steps=steps)
     early = [cfg.run_id for _, _, cfg in pred if store.status(cfg.run_id) is not None]
     if early:
-        raise ValueError(f"cannot pre-register candidate {c.cid}: prediction row {early[0]} of it was "
+        raise CalibrationMissing(f"cannot pre-register candidate {c.cid}: prediction row {early[0]} of it was "
                          "trained before its calibration record")
     keys = []
     for model in ("base", "large"):
