@@ -206,7 +206,9 @@ def test_two_concurrent_reproduce_processes_share_one_store(tmp_path):
 @pytest.fixture(scope="session")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a new Ray of its own, even where a `ray start` cluster (or the address file
+    # a stopped one left in /tmp/ray) is on this machine, which a plain ray.init() would try to join
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
