@@ -206,7 +206,9 @@ def test_two_concurrent_reproduce_processes_share_one_store(tmp_path):
 @pytest.fixture(scope="session")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a new Ray of its own, even where a `ray start` cluster (or the address file
+    # a stopped one left in /tmp/ray) is on this machine, which a plain ray.init() would try to join
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -233,6 +235,140 @@ def test_a_ray_sweep_reports_steps_inside_its_jobs(tmp_path, ray_cluster, monkey
     assert report.trained == 2
     assert any(0 < n < total and finished == 0 for n, total, finished in states)
     assert states[-1] == (120, 120, 2)
+
+
+def _ray_job_processes(psutil) -> list:
+    """The Ray worker processes of this test session's Ray (descendants of this process) that are
+    running a sweep job now: Ray titles a worker by the task it runs (``ray::_ray_work``), else ray::IDLE."""
+    import softprior.executors as ex
+    title = f"ray::{ex._ray_work.__name__}"
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if title in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return out
+
+
+def test_a_ray_sweep_survives_a_worker_killed_mid_group(tmp_path, ray_cluster):
+    """SIGKILL the Ray worker of a group while it trains: Ray runs the job again (``RAY_MAX_RETRIES``;
+    with retries off its runs fail and this test does), the retry resumes from the group's checkpoint,
+    and the sweep ends with every run stored once and the bits of a local sweep on the same configs."""
+    import threading
+
+    from softprior.store.files import RunFiles
+    psutil = pytest.importorskip("psutil")
+    import softprior.executors as ex
+    cfgs = [tiny_config(path=p, seed=s, steps=300, eval_every=50)
+            for s, p in enumerate(["unforced", "fade600", "unforced", "fade600"])]
+    groups = [[c.run_id for c in job] for job in ex._jobs(cfgs, 2)]
+    assert sorted(len(g) for g in groups) == [2, 2]  # two groups of two, one per Ray CPU
+
+    local = RunStore(tmp_path / "local")
+    assert execute(cfgs, local, group_size=2, progress=False, require_calibration=False).trained == 4
+
+    root = tmp_path / "ray"
+    killed, stop = [], threading.Event()
+
+    def kill_a_worker_mid_group():
+        files, deadline = RunFiles(root), time.time() + 120
+        while not stop.is_set() and time.time() < deadline:
+            steps = [ck["meta"]["step"] if ck else 0 for ck in (files.load_group_checkpoint(g) for g in groups)]
+            procs = _ray_job_processes(psutil)
+            if all(60 <= s < 250 for s in steps) and len(procs) == 2:  # both groups mid-training, checkpointed
+                procs[0].send_signal(signal.SIGKILL)
+                killed.append((procs[0].pid, steps))
+                return
+            time.sleep(0.02)
+    killer = threading.Thread(target=kill_a_worker_mid_group, daemon=True)
+    killer.start()
+    try:
+        report = execute(cfgs, RunStore(root), executor="ray", workers=2, group_size=2, progress=True,
+                         require_calibration=False, checkpoint_seconds=0.05)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no worker was killed mid-group (the groups trained too fast or never checkpointed)"
+    assert report.trained == 4 and not report.failed, report.line()
+
+    store = RunStore(root)
+    rows = store.rows()
+    assert len(rows) == 4 and all(r["status"] == "done" for r in rows)  # every run stored once
+    resumed = {c.run_id: store.summary(c.run_id)["resumed_at"] for c in cfgs if "resumed_at" in store.summary(c.run_id)}
+    assert sorted(resumed) in [sorted(g) for g in groups]  # the killed group, resumed from its checkpoint
+    assert all(step >= 60 for step in resumed.values())
+    for c in cfgs:
+        assert store.metrics(c.run_id) == local.metrics(c.run_id)
+        a, b = store.load_state(c.run_id), local.load_state(c.run_id)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        for k in ("normal_acc", "zero_acc", "normal_loss", "zero_loss"):
+            assert store.summary(c.run_id)[k] == local.summary(c.run_id)[k], k
+    assert not list(root.glob("runs/*/*checkpoint.safetensors"))  # scratch files go with the results
+    # the retried job's ledger row counts the killed attempt's time up to its checkpoint, then the retry's
+    pieces = {tuple(r["detail"]["run_ids"]): len(r["detail"]["pieces"]) for r in store.ledger() if r["kind"] == "job"}
+    assert sorted(pieces.values()) == [1, 2] and pieces[tuple(next(g for g in groups if g[0] in resumed))] == 2
+
+
+def test_a_crashed_job_keeps_its_checkpoint_and_the_next_sweep_resumes_it(tmp_path):
+    """A job whose process died (a pool worker, a Ray job out of retries) fails its runs in this sweep
+    but leaves its checkpoint, so the next sweep resumes the group instead of retraining it."""
+    import softprior.executors as ex
+    cfgs = [tiny_config(seed=s, steps=40, checkpoint_every=10) for s in range(2)]
+    store = RunStore(tmp_path / "s")
+    ex.work(cfgs, checkpoints=str(store.root), checkpoint_seconds=10 ** 6)  # leaves the step-30 checkpoint
+
+    class Crashed:  # a backend whose job died
+        def next_done(self, poll=None):
+            return cfgs, None, ex.JobResult([(None, "worker crashed: WorkerCrashedError")] * 2, crashed=True)
+
+        def drain(self):
+            return []
+    report = ex.SweepReport(total=2)
+    ex._collect(Crashed(), store, report, set(), None, None)
+    assert [rid for rid, _ in report.failed] == [c.run_id for c in cfgs]
+    assert store.files.load_group_checkpoint([c.run_id for c in cfgs])["meta"]["step"] == 30
+
+    again = execute(cfgs, store, group_size=2, progress=False, require_calibration=False)
+    assert again.trained == 2 and not again.failed
+    clean = RunStore(tmp_path / "clean")
+    execute(cfgs, clean, group_size=2, progress=False, require_calibration=False)
+    for c in cfgs:
+        assert store.summary(c.run_id)["resumed_at"] == 30
+        assert store.metrics(c.run_id) == clean.metrics(c.run_id)
+
+
+def test_a_remote_ray_cluster_checkpoints_only_into_a_shared_store(tmp_path, monkeypatch):
+    """Jobs on a cluster at --address write no checkpoints unless the store is shared
+    (``shared_store`` / $SOFTPRIOR_SHARED_STORE); a node that does not see the store writes none."""
+    import softprior.executors as ex
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_ray(address, workers, checkpoints, *a, **kw):
+        seen.append(checkpoints)
+        raise Stop
+    monkeypatch.setattr(ex, "_Ray", fake_ray)
+    monkeypatch.delenv("SOFTPRIOR_SHARED_STORE", raising=False)
+    store, cfgs = RunStore(tmp_path / "s"), [tiny_config()]
+    root = str(store.root.resolve())
+    for address, shared, env in [(None, None, ""), ("auto", None, ""), ("auto", True, ""), ("auto", None, "1"),
+                                 ("auto", False, "1"), ("auto", None, "0")]:
+        monkeypatch.setenv("SOFTPRIOR_SHARED_STORE", env)
+        with pytest.raises(Stop):
+            execute(cfgs, store, executor="ray", address=address, shared_store=shared, progress=False,
+                    require_calibration=False)
+    assert seen == [root, None, root, root, None, None]
+
+    # on a node: a directory that is no store (not mounted there) gets no checkpoint files
+    c = [tiny_config(checkpoint_every=5)]
+    assert ex._ray_work(c, None, 1, str(tmp_path / "elsewhere"), 10 ** 6).outs[0][0] is not None
+    assert not (tmp_path / "elsewhere").exists()
+    ex._ray_work(c, None, 1, root, 10 ** 6)
+    assert store.files.load_checkpoint(c[0].run_id)["meta"]["step"] == 15
 
 
 def test_jobs_are_balanced_groups_longest_first():

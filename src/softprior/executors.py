@@ -8,11 +8,16 @@ jobs (configs in, results out) to a backend, and writes each result as it arrive
 - ``local`` with ``workers > 1``: a process pool, each worker with ``torch`` threads = cores/workers;
 - ``ray``: one Ray task per job with ``num_cpus`` set, consumed with ``ray.wait`` as they finish,
   so a cluster without a shared filesystem works (results travel back through Ray's object store).
+  A job whose worker process or node dies is run again by Ray (``RAY_MAX_RETRIES``), from its
+  checkpoint where the node sees the store, else from step 0; results reach the store only through
+  the driver, once per job, so a retried job neither duplicates nor half-writes a run (docs/CLUSTER.md).
 
 Nothing is lost when a sweep is killed: a job (a run or a group) writes a checkpoint to its run
 directory every ``checkpoint_seconds`` of training (default ``SWEEP_CHECKPOINT_SECONDS``; not on a
-remote Ray cluster, which may not see the store's files), and the next sweep keeps a checkpointed
-group together and resumes it bit-identically. Workers write only these scratch files; the driver
+remote Ray cluster, which may not see the store's files, unless ``shared_store`` says every node
+sees it), and the next sweep keeps a checkpointed group together and resumes it bit-identically. A
+job whose process died (a pool worker, a Ray job out of retries) has its runs recorded as failed and
+keeps its checkpoint, so the next sweep resumes them. Workers write only these scratch files; the driver
 alone writes results and the index.
 
 The time ledger: each job returns its wall time (``JobResult.timing``; a resumed job's earlier pieces
@@ -64,6 +69,10 @@ SWEEP_CHECKPOINT_SECONDS = 120.0
 # redraws the bar (its timer) this often while it waits; the ETA is from the rate over the last RATE_SECONDS
 PROGRESS_SECONDS = 1.0
 RATE_SECONDS = 30.0
+# a Ray job whose worker process or node dies (a system failure; an exception in training is a result,
+# returned by ``work``) is run again up to this many times before its runs are recorded as failed
+# ($SOFTPRIOR_RAY_MAX_RETRIES). Ray's own default (3, or $RAY_TASK_MAX_RETRIES) is not relied on.
+RAY_MAX_RETRIES = 3
 
 # ms per run-step of a base-model group of K runs at 1 thread (each sweep worker's setting), measured by
 # ``benchmarks/scaling.py`` on the development machine (docs/PERFORMANCE.md): per-op overhead is paid
@@ -122,6 +131,9 @@ class JobResult:
     # pieces before a resume, up to the checkpoint it resumed from, then this one), "from_step": the step
     # the first piece started at, "threads", "host"}; the driver writes it to the store's ledger
     timing: dict | None = None
+    # the job's process died (a pool worker, or a Ray job out of retries): its runs fail in this sweep,
+    # and its checkpoint stays for the next one to resume from
+    crashed: bool = False
 
 
 # ------------------------------------------------------------------------------------ pure work
@@ -279,7 +291,19 @@ def _to_queue(job, step: int, started: bool = False) -> None:
 
 
 def _to_ray_queue(q, job, step: int, started: bool = False) -> None:
-    q.put_nowait((job, step, started))
+    try:
+        q.put_nowait((job, step, started))
+    except Exception:  # noqa: BLE001 - progress is best effort: a queue that cannot be reached fails no run
+        pass
+
+
+def _ray_work(cfgs, init_states, threads, checkpoints, *args, **kwargs) -> JobResult:
+    """``work`` as a Ray task. A node that does not see the store (``shared_store`` said so, but the
+    directory is not mounted there at the same path) trains without checkpoints rather than write
+    them beside the store, on its own disk."""
+    if checkpoints is not None and not (Path(checkpoints) / "index.sqlite").is_file():
+        checkpoints = None
+    return work(cfgs, init_states, threads, checkpoints, *args, **kwargs)
 
 
 class _Pool:
@@ -311,7 +335,7 @@ class _Pool:
         try:
             return cfgs, inits, f.result()
         except Exception as e:  # noqa: BLE001 - a worker crash fails its runs, not the sweep
-            return cfgs, inits, JobResult([(None, f"worker crashed: {type(e).__name__}: {e}")] * len(cfgs))
+            return cfgs, inits, JobResult([(None, f"worker crashed: {type(e).__name__}: {e}")] * len(cfgs), crashed=True)
 
     def drain(self):
         out = []
@@ -332,7 +356,14 @@ class _Pool:
 
 
 class _Ray:
-    def __init__(self, address: str | None, cpus_per_job: int, checkpoints: str | None, checkpoint_seconds: float | None,
+    """One Ray task per job. A task whose worker process or node dies is retried by Ray
+    (``RAY_MAX_RETRIES``; not on an exception, which ``work`` returns as a result): the retry starts
+    over from the job's checkpoint when it can see one, else from step 0, and training is deterministic,
+    so its runs come out bit-identical. The driver waits on each job's one result, so a retried job is
+    collected (and written to the store) once. Out of retries, its runs are recorded as failed in this
+    sweep (``JobResult.crashed``; their checkpoint is kept) and the next sweep trains them again, from it."""
+
+    def __init__(self, address: str | None, workers: int, checkpoints: str | None, checkpoint_seconds: float | None,
                  progress: bool = False):
         try:
             import ray
@@ -341,14 +372,29 @@ class _Ray:
         self.ray = ray
         if not ray.is_initialized():
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-        self.remote = ray.remote(num_cpus=cpus_per_job)(work)
+        # a job's CPUs (and torch threads): on a cluster at ``address``, 1; on a local Ray, an equal share
+        # of its CPUs per worker (of the Ray this process started or joined, which may have fewer CPUs
+        # than the machine: a job asking for more than it has would wait forever)
+        cpus_per_job = 1
+        if address is None:
+            cpus_per_job = max(1, int(ray.cluster_resources().get("CPU", os.cpu_count() or 1)) // max(workers, 1))
+        retries = int(os.environ.get("SOFTPRIOR_RAY_MAX_RETRIES", RAY_MAX_RETRIES))
+        self.remote = ray.remote(num_cpus=cpus_per_job, max_retries=retries, retry_exceptions=False)(_ray_work)
         self.cpus = cpus_per_job
         self.refs = {}
         self.ck = (checkpoints, checkpoint_seconds)
         self.queue = None
-        if progress:  # an actor the jobs put their steps into, wherever they run
+        if progress:  # an actor the jobs put their steps into, wherever they run; on the driver's node, so
+            # that the death of another node does not take the queue with it
             from ray.util.queue import Queue
-            self.queue = Queue(actor_options={"num_cpus": 0})
+            options = {"num_cpus": 0}
+            try:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    ray.get_runtime_context().get_node_id(), soft=True)
+            except Exception:  # noqa: BLE001 - e.g. a Ray client driver, on no node: anywhere
+                pass
+            self.queue = Queue(actor_options=options)
 
     def submit(self, cfgs, init_states, job=None):
         report = functools.partial(_to_ray_queue, self.queue, job) if job is not None and self.queue is not None else None
@@ -365,8 +411,8 @@ class _Ray:
         cfgs, inits = self.refs.pop(ref)
         try:
             return cfgs, inits, self.ray.get(ref)
-        except Exception as e:  # noqa: BLE001
-            return cfgs, inits, JobResult([(None, f"ray task failed: {type(e).__name__}: {e}")] * len(cfgs))
+        except Exception as e:  # noqa: BLE001 - out of retries: its runs fail, not the sweep
+            return cfgs, inits, JobResult([(None, f"ray task failed: {type(e).__name__}: {e}")] * len(cfgs), crashed=True)
 
     def drain(self):
         if self.queue is None:
@@ -640,12 +686,17 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
             group_size: int | str = 1, address: str | None = None, progress: bool = True,
             wait_for_others: bool = True, poll_seconds: float = 2.0, sweep_bar: bool = True,
             on_result: Callable[[RunConfig, dict | None, str | None], None] | None = None,
-            require_calibration: bool = True, checkpoint_seconds: float | None = None) -> SweepReport:
+            require_calibration: bool = True, checkpoint_seconds: float | None = None,
+            shared_store: bool | None = None) -> SweepReport:
     """Make sure every config in ``cfgs`` is in ``store``; return what happened.
 
     ``group_size``: runs per group (``engine.train_group``), or "auto" (``group_sizes``: per model size).
     ``checkpoint_seconds``: how often a job checkpoints (default ``$SOFTPRIOR_CHECKPOINT_SECONDS`` or
     ``SWEEP_CHECKPOINT_SECONDS``); a killed sweep's next run resumes from there.
+    ``shared_store``: every node of the Ray cluster at ``address`` sees the store's directory at the
+    same path (default: ``$SOFTPRIOR_SHARED_STORE`` set, and not to 0), so its jobs checkpoint there
+    too and a job retried after its node died resumes instead of starting over (a local Ray always
+    checkpoints; a node that turns out not to see the store trains without checkpoints, ``_ray_work``).
     ``require_calibration``: refuse (``CalibrationMissing``) before training anything when a
     prediction row to be trained has no pre-registered calibration record (calibration/record.py)."""
     t0, started = time.perf_counter(), time.time()
@@ -669,9 +720,11 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     ck = str(Path(store.root).resolve())  # a Ray worker's working directory is not the driver's
     # the bar counts every run this sweep may train (parents included); runs it does not train leave it
     sweep = _Progress([c for ph in phases for c in ph if not store.is_done(c.run_id)]) if progress and sweep_bar else None
-    if executor == "ray":  # a remote cluster may not see the store's files: no checkpoints there
-        backend = _Ray(address, max(1, (os.cpu_count() or 1) // max(workers, 1)) if address is None else 1,
-                       ck if address is None else None, checkpoint_seconds, progress=sweep is not None)
+    if executor == "ray":  # a remote cluster may not see the store's files: no checkpoints there unless shared
+        if shared_store is None:
+            shared_store = os.environ.get("SOFTPRIOR_SHARED_STORE", "").strip() not in ("", "0")
+        backend = _Ray(address, workers, ck if address is None or shared_store else None, checkpoint_seconds,
+                       progress=sweep is not None)
     elif workers > 1:
         backend = _Pool(workers, ck, checkpoint_seconds, progress=sweep is not None)
     else:
@@ -837,7 +890,8 @@ def _collect(backend, store, report, failed_ids, sweep, on_result, ledger=None):
     if sweep is not None:
         sweep.tick(backend.drain())
     store.heartbeat()  # the sweep's other claims stay alive while it works (another host's expire in 6 h)
-    store.files.drop_checkpoint(cfgs[0].run_id)  # a group's checkpoint (kept in its first run's directory)
+    if not job.crashed:  # a crashed job's checkpoint stays: the next sweep resumes from it
+        store.files.drop_checkpoint(cfgs[0].run_id)  # a group's checkpoint (kept in its first run's directory)
     if ledger is not None and job.engine_error is not None:
         ledger.job(cfgs, job)
     if job.engine_error is not None:
