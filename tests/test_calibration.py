@@ -525,3 +525,15 @@ def test_a_registered_default_trains_the_configurations_the_search_measured(tmp_
         again = make_run_config("assoc_recall", row.path, seed, steps=4, calibrated=False,
                                 task_options={**rec["task_options"], **row.task}, model_options=m)
         assert again.run_id == cfg.run_id
+
+
+def test_no_rows_is_no_configs_and_linear_icl_registers_over_its_own_difficulty_rows():
+    """``candidate_configs(rows=[])`` is no runs (not the difficulty rows): linear ICL's claims read only
+    difficulty rows, so it has no prediction row, and registering a candidate whose difficulty rows
+    the search trained is not refused as if a prediction row had run first."""
+    from softprior.calibration.robustness import prediction_rows
+    from softprior.calibration.search import candidate_configs
+    space = load_space("linear_icl_formats")
+    assert candidate_configs(space, {}, {}, [0], rows=[]) == []
+    assert [r.path for r, _, _ in candidate_configs(space, {}, {}, [0])] == ["forced_zero", "unforced"]
+    assert prediction_rows("linear_icl") == []
