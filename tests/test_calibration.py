@@ -570,3 +570,15 @@ def test_an_infeasible_candidate_says_why_in_one_line():
         make_run_config("markov", "unforced", seed=0, task_options={"p": 7.0})
     assert _reason(e.value) == "p: Input should be less than or equal to 1"
     assert _reason(ValueError("a\n  b")) == "a b"
+
+
+def test_no_rows_is_no_configs_and_linear_icl_registers_over_its_own_difficulty_rows():
+    """``candidate_configs(rows=[])`` is no runs (not the difficulty rows): linear ICL's claims read only
+    difficulty rows, so it has no prediction row, and registering a candidate whose difficulty rows
+    the search trained is not refused as if a prediction row had run first."""
+    from softprior.calibration.robustness import prediction_rows
+    from softprior.calibration.search import candidate_configs
+    space = load_space("linear_icl_formats")
+    assert candidate_configs(space, {}, {}, [0], rows=[]) == []
+    assert [r.path for r, _, _ in candidate_configs(space, {}, {}, [0])] == ["forced_zero", "unforced"]
+    assert prediction_rows("linear_icl") == []

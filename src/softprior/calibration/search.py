@@ -62,9 +62,10 @@ def study_name(space: SearchSpace) -> str:
 
 def candidate_configs(space: SearchSpace, t_opts: dict, m_opts: dict, seeds, rows: list[Row] | None = None,
                       steps: int | None = None):
-    """Run configs of a candidate's rows at ``seeds`` (raises ValueError / ValidationError if infeasible)."""
+    """Run configs of a candidate's rows at ``seeds`` (raises ValueError / ValidationError if infeasible);
+    ``rows``: None for the task's difficulty rows (an empty list is no rows)."""
     out = []
-    for row in rows or difficulty_rows(space.task):
+    for row in rows if rows is not None else difficulty_rows(space.task):
         for s in seeds:
             out.append((row, s, make_run_config(space.task, row.path, s, model=space.model, steps=steps,
                                                 task_options={**t_opts, **row.task}, model_options=m_opts)))
