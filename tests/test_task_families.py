@@ -220,4 +220,4 @@ def test_linear_icl_points_that_do_not_fit_are_refused_at_config_time():
     with pytest.raises(ValueError, match="n_points=31 does not fit"):
         make_run_config("linear_icl", "unforced", task_options={"format": "interleaved", "n_points": 31})
     with pytest.raises(ValueError, match="n_points=16 does not fit"):
-        make_run_config("linear_icl", "unforced", task_options={"n_points": 16})
+        make_run_config("linear_icl", "unforced", task_options={"format": "interleaved", "n_points": 16})
