@@ -8,7 +8,7 @@ processes hits both alike.
 Defaults: 3 reps x 20 steps per mode, cope,dape,gpsa, assoc_recall,markov, K = 1,4. A step is
 ``train.Runs.step`` (batch sampling, forward, loss, backward, clipping, AdamW) of K runs of the
 paper's configuration for that baseline (the calibrated defaults), one torch thread, inside the
-training settings (``prepare_training``: allocator and flush-to-zero). Each mode's figure is its
+training settings (``prepare_training``: the allocator). Each mode's figure is its
 fastest block (the least disturbed by other load), in ms per run-step. A third mode, NoPE on the
 fast path (the same shapes, no scheme), is timed in the same alternation as a reference: the column
 "fast / nope" is the factor a contextual step still costs over a static fast-path step.

@@ -1,16 +1,17 @@
-"""What each process-level speed setting buys: one training run with the setting on and off, in turn.
+"""What the process-level speed setting buys: one training run with the setting on and off, in turn.
 
-    python benchmarks/speed_machinery.py [REPS] [BASE_STEPS] [LARGE_STEPS]
+    python benchmarks/speed_machinery.py [REPS] [BASE_STEPS] [LARGE_STEPS] [SETTING:MODEL,...]
 
 Each sample is a whole ``softprior train`` process (1 thread, a sweep worker's setting) into a fresh
 temporary store; the figure is the ``seconds`` its summary records (training and evaluation, without
 start-up). The settings are process-wide, so on and off cannot share a process: the two alternate,
-A B A B, so a drift in the machine's speed falls on both. Prints, per setting and model, the median
+A B A B, so a drift in the machine's speed falls on both. Models: base and large on assoc recall, base on Markov (BASE_STEPS). Prints, per setting and model, the median
 seconds on and off, the ratio off / on pair by pair (median, min, max) and the saving (1 - on / off).
 
-The settings (``runtime.py``): the allocator's trim and mmap thresholds (``SOFTPRIOR_TUNE_MALLOC=0``
-turns them off) and flush-to-zero for denormals (``SOFTPRIOR_FLUSH_DENORMALS=0``). Run it on a quiet
-machine: a sweep beside it measures nothing.
+The setting (``runtime.py``): the allocator's trim and mmap thresholds (``SOFTPRIOR_TUNE_MALLOC=0``
+turns them off). Flush-to-zero for denormals was measured the same way (``SOFTPRIOR_FLUSH_DENORMALS=0``)
+and removed for saving too little (docs/PERFORMANCE.md). Run it on a quiet machine: a sweep beside it
+measures nothing.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import subprocess
 import sys
 import tempfile
 
-SETTINGS = {"allocator": "SOFTPRIOR_TUNE_MALLOC", "denormals": "SOFTPRIOR_FLUSH_DENORMALS"}
+SETTINGS = {"allocator": "SOFTPRIOR_TUNE_MALLOC"}
 MODELS = {"base": ["--task", "assoc_recall", "--path", "unforced"],
-          "large": ["--task", "assoc_recall", "--path", "unforced", "--model", "large"]}
+          "large": ["--task", "assoc_recall", "--path", "unforced", "--model", "large"],
+          "markov": ["--task", "markov", "--path", "unforced"]}
 
 
 def one_run(args: list[str], steps: int, env_off: str | None) -> float:
@@ -39,12 +41,15 @@ def one_run(args: list[str], steps: int, env_off: str | None) -> float:
     return float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
 
 
-def main(reps: int = 5, base_steps: int = 600, large_steps: int = 120) -> None:
-    steps = {"base": base_steps, "large": large_steps}
+def main(reps: int = 5, base_steps: int = 600, large_steps: int = 120, only: str = "") -> None:
+    """``only``: comma-separated "setting:model" pairs to measure (default: every pair)."""
+    steps = {"base": base_steps, "large": large_steps, "markov": base_steps}
     print("| setting | model | steps | on (s, median) | off (s, median) | off / on (median, min-max) | saving |")
     print("|---|---|---|---|---|---|---|")
     for name, var in SETTINGS.items():
         for model, args in MODELS.items():
+            if only and f"{name}:{model}" not in only.split(","):
+                continue
             on, off = [], []
             one_run(args, 20, None)  # warm-up: imports and page cache
             for _ in range(reps):
@@ -57,4 +62,4 @@ def main(reps: int = 5, base_steps: int = 600, large_steps: int = 120) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:4]))
+    main(*(int(a) for a in sys.argv[1:4]), *sys.argv[4:5])

@@ -384,21 +384,21 @@ def test_jobs_are_balanced_groups_longest_first():
     assert jobs[0][0].model.n_layers == 4
 
 
-def test_jobs_off_the_fast_path_are_scheduled_as_the_costlier_ones(monkeypatch):
-    # same shapes and group sizes: a scheme off the fast path with a measured factor (here DAPE, as it was
-    # before it joined the fast path) before one with the default factor (GPSA) before a fast-path one
-    # (ALiBi), so the slowest groups do not end a sweep running alone
+def test_costlier_schemes_are_scheduled_first(monkeypatch):
+    # same shapes and group sizes: the contextual schemes by their measured factors (DAPE, CoPE, GPSA)
+    # before a bias scheme (ALiBi), so the slowest groups do not end a sweep running alone; a scheme off
+    # the fast path costs READABLE_STEP_COST times its step there
     from softprior import executors, fastpath
     from softprior.config import make_run_config
     from softprior.executors import _jobs
     cfgs = [make_run_config("assoc_recall", seed=s, baseline=b, steps=40, calibrated=False)
-            for b in ("alibi", "gpsa", "dape") for s in range(2)]
-    assert all(fastpath.supports(c.model) for c in cfgs) and not executors.READABLE_STEP_COST  # all on the fast path
-    assert len({executors._job_cost([c]) for c in cfgs}) == 1  # so the same cost
+            for b in ("alibi", "gpsa", "cope", "dape") for s in range(2)]
+    assert all(fastpath.supports(c.model) for c in cfgs)  # every scheme on the fast path
+    assert [j[0].model.positional for j in _jobs(cfgs, 2)] == ["dape", "cope", "gpsa", "alibi"]
+    alibi = executors._job_cost([cfgs[0]])
     supports = fastpath.supports
-    monkeypatch.setattr(fastpath, "supports", lambda m: m.positional == "alibi" and supports(m))
-    monkeypatch.setattr(executors, "READABLE_STEP_COST", {"dape": 5.3})
-    assert [j[0].model.positional for j in _jobs(cfgs, 2)] == ["dape", "gpsa", "alibi"]
+    monkeypatch.setattr(fastpath, "supports", lambda m: m.positional != "alibi" and supports(m))
+    assert executors._job_cost([cfgs[0]]) == alibi * executors.READABLE_STEP_COST
 
 
 def test_auto_group_size_is_the_smallest_near_best_k_and_leaves_every_worker_a_group():

@@ -220,7 +220,7 @@ def run_bench(quick: bool = False, group_size: int = 8, log=print) -> dict:
     """Each implementation is timed at 1 thread and at the machine's thread count and reported at its
     faster one (the thread count tuned to the machine); the per-count figures are in the JSON.
     The runtime settings (``runtime.training_settings``) apply to the whole benchmark, the reference
-    included (the conservative ratio), and flush-to-zero is restored when it returns."""
+    included (the conservative ratio)."""
     from .runtime import training_settings
     with training_settings() as settings:
         return _run_bench(quick, group_size, log, settings)

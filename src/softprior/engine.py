@@ -58,7 +58,7 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     ``$SOFTPRIOR_DEVICE`` or ``cpu``; e.g. ``cuda``). Data is drawn on the CPU from each run's own
     generator and copied over, so a run's numbers depend only on its config, not on the device's RNG.
     Results (weights, metrics) come back on the CPU. Runs inside ``runtime.training_settings()``
-    (flush-to-zero on while training, restored afterwards).
+    (the allocator setting).
 
     resume / on_checkpoint / checkpoint_seconds: as in ``train.train``, for the whole group (the
     first config's ``checkpoint_every``); the checkpoint's ``meta["run_ids"]`` names the runs, in order."""

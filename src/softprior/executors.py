@@ -653,22 +653,22 @@ def _jobs(cfgs: list[RunConfig], group_size: int | dict[str, int], kept: list[li
     return sorted(jobs, key=_job_cost, reverse=True)
 
 
-# a step of a model the fast path does not compute (through vmap of the readable model) against a
-# fast-path step of the same size, per positional scheme. Every registered scheme is on the fast path
-# (fastpath.py, point 7), so no scheme has an entry. When the contextual schemes still went through the
-# readable model they measured DAPE 5.3, CoPE 3.0, GPSA 1.5 (worker seconds per group of 3 in the
-# static_baselines sweeps, averaged over assoc, Markov and linear ICL); the default, GPSA's 1.5, is
-# for a scheme added later without a fast path
-READABLE_STEP_COST: dict[str, float] = {}
-READABLE_STEP_COST_DEFAULT = 1.5
+# a step of a positional scheme against a fast-path step of the same size without one, where they
+# differ: the contextual schemes run their own code on every logit (benchmarks/contextual_fastpath.py,
+# column "fast / nope": 1 thread, assoc recall and Markov, K = 1 and 4; CoPE 2.7-3.3, DAPE 3.5-4.0,
+# GPSA 1.5-1.6). Every other scheme costs about what the soft prior's step does.
+STEP_COST: dict[str, float] = {"cope": 3.0, "dape": 3.7, "gpsa": 1.5}
+# a step through vmap of the readable model (a scheme the fast path does not know, or active hooks)
+# against the fast path's: NoPE and the bias schemes measured ~2.0x (docs/PERFORMANCE.md)
+READABLE_STEP_COST = 2.0
 
 
 def _job_cost(job: list[RunConfig]) -> float:
     """A relative cost estimate for scheduling: steps x runs x layers x width^2 x context, times the
-    measured factor of a step off the fast path (``READABLE_STEP_COST``)."""
+    scheme's measured factor (``STEP_COST``) and, off the fast path, ``READABLE_STEP_COST``."""
     from .fastpath import supports
     m = job[0].model
-    factor = 1.0 if supports(m) else READABLE_STEP_COST.get(m.positional, READABLE_STEP_COST_DEFAULT)
+    factor = STEP_COST.get(m.positional, 1.0) * (1.0 if supports(m) else READABLE_STEP_COST)
     return job[0].total_steps * len(job) * m.n_layers * m.d_model ** 2 * m.n_ctx * factor
 
 

@@ -308,8 +308,7 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
     on_checkpoint: called every ``cfg.checkpoint_every`` steps, and at the first step after every
         ``checkpoint_seconds`` of training (sweeps: ``executors``), with a dict of tensors + metadata.
 
-    Runs inside ``runtime.training_settings()``: flush-to-zero is on while training and restored
-    afterwards (the caller's float behaviour is unchanged by a run).
+    Runs inside ``runtime.training_settings()`` (the allocator setting).
     """
     return train_runs([cfg], [init_state], progress=progress, device=device, resume=resume,
                       on_checkpoint=on_checkpoint, checkpoint_seconds=checkpoint_seconds)[0]
