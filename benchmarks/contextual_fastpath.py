@@ -1,6 +1,6 @@
 """One training step of the contextual schemes (CoPE, DAPE, GPSA) through the readable model (``vmap``
 of ``functional_call``, the way they trained before they joined the fast path) against the fast path
-(``fastpath.fast_forward``, point 7), alternating the two in one process so that load from other
+(``fastpath.fast_forward``, point 6), alternating the two in one process so that load from other
 processes hits both alike.
 
     python benchmarks/contextual_fastpath.py [reps] [steps] [schemes] [tasks] [Ks] > table.md

@@ -510,3 +510,39 @@ def test_a_checkpointed_group_is_kept_together_when_the_plan_changes(tmp_path):
     assert [c.run_id for c in jobs[0]] == kept[0]  # as checkpointed, in its order
     rest = sorted(c.run_id for j in jobs[1:] for c in j)
     assert rest == sorted(c.run_id for i, c in enumerate(cfgs) if i not in (1, 4)) and all(len(j) <= 3 for j in jobs)
+
+
+def test_a_job_that_crashes_again_from_its_kept_checkpoint_loses_it(tmp_path):
+    """A crashed job keeps its checkpoint once; crashing again from it (the group itself may be the cause,
+    e.g. memory at its size) drops it, so the next sweep is free to group the runs anew."""
+    import softprior.executors as ex
+    cfgs = [tiny_config(seed=s, steps=40, checkpoint_every=10) for s in range(2)]
+    store = RunStore(tmp_path / "s")
+    ex.work(cfgs, checkpoints=str(store.root), checkpoint_seconds=10 ** 6)
+    rids = [c.run_id for c in cfgs]
+
+    class Crashed:
+        def next_done(self, poll=None):
+            return cfgs, None, ex.JobResult([(None, "worker crashed: WorkerCrashedError")] * 2, crashed=True)
+
+        def drain(self):
+            return []
+    ex._collect(Crashed(), store, ex.SweepReport(total=2), set(), None, None)
+    assert store.files.checkpointed_group(rids[0]) == rids  # kept after the first crash
+    ex._collect(Crashed(), store, ex.SweepReport(total=2), set(), None, None)
+    assert store.files.checkpointed_group(rids[0]) is None  # dropped after the second
+
+
+def test_executor_settings_from_the_environment_are_checked(monkeypatch):
+    from softprior.executors import SettingError, _env_flag, _env_int
+    for raw, want in (("", False), ("0", False), ("no", False), ("FALSE", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("SOFTPRIOR_SHARED_STORE", raw)
+        assert _env_flag("SOFTPRIOR_SHARED_STORE") is want, raw
+    monkeypatch.setenv("SOFTPRIOR_SHARED_STORE", "maybe")
+    with pytest.raises(SettingError, match="SOFTPRIOR_SHARED_STORE"):
+        _env_flag("SOFTPRIOR_SHARED_STORE")
+    monkeypatch.setenv("SOFTPRIOR_RAY_MAX_RETRIES", "three")
+    with pytest.raises(SettingError, match="SOFTPRIOR_RAY_MAX_RETRIES must be an integer"):
+        _env_int("SOFTPRIOR_RAY_MAX_RETRIES", 3)
+    monkeypatch.delenv("SOFTPRIOR_RAY_MAX_RETRIES")
+    assert _env_int("SOFTPRIOR_RAY_MAX_RETRIES", 3) == 3

@@ -189,7 +189,10 @@ def test_contextual_schemes_on_the_fast_path_match_the_readable_model(baseline, 
         _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero=True)
         scheme = [n for n in params if ".scheme." in n]
         assert {n.split(".")[1] for n in scheme} == {str(l) for l in range(L)}  # every layer has its scheme
-        assert all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in scheme), scheme
+        # DAPE's last bias adds one constant to a whole softmax row: its true gradient is 0 (rounding only)
+        flat = [n for n in scheme if n.endswith(".scheme.f.2.bias")]
+        assert all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in scheme if n not in flat), scheme
+        assert all(params[n].grad.abs().max() < 1e-10 for n in flat), flat
     assert _scheme_kind(cfgs[0].model.positional) in ("logits", "pattern")
 
 

@@ -185,8 +185,9 @@ def test_linear_icl_references():
     t = make_task(task_config("linear_icl", d=5, n_points=6, noise=1.0, w_scale="inv_d"))
     r = t.reference_mse(t.sample(4000, 32, gen(3)))
     assert r["bayes"] < r["least_squares"] and r["bayes"] < 1.0
-    # with noise, least squares' expected error d / (n - d - 1) diverges at n = d and n = d + 1 context points
-    for n_ctx, infinite in ((4, False), (5, True), (6, True), (7, False)):
+    # with noise, least squares' expected error (d / (n - d - 1) above d, n / (d - n - 1) below, min-norm)
+    # diverges at n = d - 1, d and d + 1 context points
+    for n_ctx, infinite in ((3, False), (4, True), (5, True), (6, True), (7, False)):
         t = make_task(task_config("linear_icl", d=5, n_points=n_ctx, noise=0.5, format="paired"))
         r = t.reference_mse(t.sample(2000, 32, gen(4)))
         assert (r["least_squares"] == float("inf")) == infinite, (n_ctx, r)

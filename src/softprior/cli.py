@@ -856,7 +856,7 @@ _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.experiments", "UnknownExperimentError"), ("softprior.experiments", "UnknownTaskFilterError"),
               ("softprior.experiments", "PluginError"), ("softprior.calibration.space", "SpaceError"),
               ("softprior.records", "CalibrationMissing"),  # and RecordRefused, a subclass
-              ("softprior.report", "DirtyRunsRefused"),
+              ("softprior.report", "DirtyRunsRefused"), ("softprior.executors", "SettingError"),
               ("softprior.interop", "ExportError"), ("softprior.interop", "MissingExtraError"))
 
 

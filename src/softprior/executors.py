@@ -376,9 +376,11 @@ class _Ray:
         # of its CPUs per worker (of the Ray this process started or joined, which may have fewer CPUs
         # than the machine: a job asking for more than it has would wait forever)
         cpus_per_job = 1
-        if address is None:
-            cpus_per_job = max(1, int(ray.cluster_resources().get("CPU", os.cpu_count() or 1)) // max(workers, 1))
-        retries = int(os.environ.get("SOFTPRIOR_RAY_MAX_RETRIES", RAY_MAX_RETRIES))
+        if address is None:  # a share of the Ray's CPUs, at most the largest node's (a job runs on one node)
+            node = max((n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+            total = ray.cluster_resources().get("CPU", os.cpu_count() or 1)
+            cpus_per_job = max(1, min(int(total) // max(workers, 1), int(node) or 1))
+        retries = _env_int("SOFTPRIOR_RAY_MAX_RETRIES", RAY_MAX_RETRIES)
         self.remote = ray.remote(num_cpus=cpus_per_job, max_retries=retries, retry_exceptions=False)(_ray_work)
         self.cpus = cpus_per_job
         self.refs = {}
@@ -657,18 +659,48 @@ def _jobs(cfgs: list[RunConfig], group_size: int | dict[str, int], kept: list[li
 # differ: the contextual schemes run their own code on every logit (benchmarks/contextual_fastpath.py,
 # column "fast / nope": 1 thread, assoc recall and Markov, K = 1 and 4; CoPE 2.7-3.3, DAPE 3.5-4.0,
 # GPSA 1.5-1.6). Every other scheme costs about what the soft prior's step does.
+class SettingError(ValueError):
+    """An environment variable the executors read holds a value they cannot use (one line at the CLI)."""
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer from the environment (``default`` when unset); a value that is not one is a one-line
+    error naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingError(f"${name} must be an integer, got {raw!r}") from None
+
+
+def _env_flag(name: str) -> bool:
+    """A yes/no switch from the environment: unset, 0, false, no or off is no; 1, true, yes or on is yes;
+    anything else a one-line error naming the variable."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise SettingError(f"${name} must be 1 or 0 (yes / no), got {raw!r}")
+
+
 STEP_COST: dict[str, float] = {"cope": 3.0, "dape": 3.7, "gpsa": 1.5}
 # a step through vmap of the readable model (a scheme the fast path does not know, or active hooks)
-# against the fast path's: NoPE and the bias schemes measured ~2.0x (docs/PERFORMANCE.md)
+# against a plain fast-path step: NoPE and the bias schemes measured ~2.0x (docs/PERFORMANCE.md); a
+# contextual scheme there costs about its own factor (CoPE 3.8, DAPE 4.6, GPSA 2.5 in the same benchmark)
 READABLE_STEP_COST = 2.0
 
 
 def _job_cost(job: list[RunConfig]) -> float:
     """A relative cost estimate for scheduling: steps x runs x layers x width^2 x context, times the
-    scheme's measured factor (``STEP_COST``) and, off the fast path, ``READABLE_STEP_COST``."""
+    scheme's measured factor (``STEP_COST``), at least ``READABLE_STEP_COST`` off the fast path."""
     from .fastpath import supports
     m = job[0].model
-    factor = STEP_COST.get(m.positional, 1.0) * (1.0 if supports(m) else READABLE_STEP_COST)
+    factor = STEP_COST.get(m.positional, 1.0)
+    if not supports(m):
+        factor = max(factor, READABLE_STEP_COST)
     return job[0].total_steps * len(job) * m.n_layers * m.d_model ** 2 * m.n_ctx * factor
 
 
@@ -722,7 +754,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     sweep = _Progress([c for ph in phases for c in ph if not store.is_done(c.run_id)]) if progress and sweep_bar else None
     if executor == "ray":  # a remote cluster may not see the store's files: no checkpoints there unless shared
         if shared_store is None:
-            shared_store = os.environ.get("SOFTPRIOR_SHARED_STORE", "").strip() not in ("", "0")
+            shared_store = _env_flag("SOFTPRIOR_SHARED_STORE")
         backend = _Ray(address, workers, ck if address is None or shared_store else None, checkpoint_seconds,
                        progress=sweep is not None)
     elif workers > 1:
@@ -890,8 +922,11 @@ def _collect(backend, store, report, failed_ids, sweep, on_result, ledger=None):
     if sweep is not None:
         sweep.tick(backend.drain())
     store.heartbeat()  # the sweep's other claims stay alive while it works (another host's expire in 6 h)
-    if not job.crashed:  # a crashed job's checkpoint stays: the next sweep resumes from it
-        store.files.drop_checkpoint(cfgs[0].run_id)  # a group's checkpoint (kept in its first run's directory)
+    # a group's checkpoint lives in its first run's directory. A crashed job's stays, so the next sweep
+    # resumes from it, once: a job that crashes again from it (out of memory at its group size, say)
+    # loses it, and the next sweep may group its runs anew
+    if not job.crashed or store.files.note_crash(cfgs[0].run_id):
+        store.files.drop_checkpoint(cfgs[0].run_id)
     if ledger is not None and job.engine_error is not None:
         ledger.job(cfgs, job)
     if job.engine_error is not None:

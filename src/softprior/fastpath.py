@@ -84,8 +84,8 @@ __all__ = ["supports", "fast_forward", "stacked_params", "model_forward"]
 
 
 def supports(cfg: ModelConfig) -> bool:
-    """Whether ``fast_forward`` computes this model (else use the readable model): no static scheme,
-    or one the fast path implements (``_scheme_kind``)."""
+    """Whether ``fast_forward`` computes this model (else use the readable model): no positional
+    scheme, or one the fast path implements (``_scheme_kind``)."""
     return _scheme_kind(cfg.positional) != "unsupported"
 
 

@@ -19,9 +19,9 @@ Denormal flushing was measured and removed: flush-to-zero saved 4.4% of a base a
 of a Markov run and 0.8% of a large run (``benchmarks/speed_machinery.py``; docs/PERFORMANCE.md),
 about 1-2% of the whole paper, and the project keeps speed code only where it saves 3% or more.
 
-``training_settings()`` is the scoped form that ``train`` and ``train_group`` use, ``prepare_training()``
-the unscoped one (the scripts in ``benchmarks/``); both apply the allocator setting, which is
-process-wide and changes no numbers, only where freed memory goes.
+``train`` and ``train_group`` run inside ``training_settings()``, the scripts in ``benchmarks/`` call
+``prepare_training()``; both apply the allocator setting, which is process-wide (nothing to restore)
+and changes no numbers, only where freed memory goes.
 
 Threads (``choose_threads``). A sweep gives each worker process its share of the cores (cores //
 workers, one thread each with ``--workers 2`` on 2 cores). A single run (``softprior train``) takes the

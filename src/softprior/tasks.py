@@ -479,9 +479,10 @@ class LinearICL(Task):
         ridge with lambda = noise^2 / s for w ~ N(0, s I); least squares when noise = 0 and n >= d),
         and "gd_step": one step of gradient descent on the context's squared loss from w = 0,
         w = eta X^T y, with the best scalar eta on this batch (a least-squares fit of eta).
-        With label noise and n context points, d <= n <= d + 1, least squares' expected error is infinite
-        (for Gaussian x, E[tr((X^T X)^-1)] = d / (n - d - 1) once n > d + 1, and diverges at n = d + 1
-        and n = d): "least_squares" is then inf, not a Monte Carlo average of a heavy tail."""
+        With label noise and n context points, d - 1 <= n <= d + 1, least squares' expected error is
+        infinite (for Gaussian x, E[tr((X^T X)^-1)] = d / (n - d - 1) for n > d + 1 and, min-norm below d,
+        E[tr((X X^T)^-1)] = n / (d - n - 1) for n < d - 1; both diverge in between): "least_squares" is then
+        inf, not a Monte Carlo average of a heavy tail."""
         X, yc, xq, yq = (t.double() for t in self.context(batch))
         s = 1.0 if self.cfg.w_scale == "unit" else 1.0 / self.cfg.d
         lam = self.cfg.noise ** 2 / s
@@ -490,7 +491,7 @@ class LinearICL(Task):
             return float(((xq[:, None] @ w)[:, 0, 0] - yq).pow(2).mean() / self.cfg.y_var)
 
         n, d = X.shape[1], X.shape[2]
-        heavy = self.cfg.noise > 0 and d <= n <= d + 1
+        heavy = self.cfg.noise > 0 and d - 1 <= n <= d + 1
         out = {"least_squares": math.inf if heavy else err(torch.linalg.pinv(X) @ yc[..., None])}
         if lam > 0:
             eye = torch.eye(X.shape[-1], dtype=X.dtype)

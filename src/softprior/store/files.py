@@ -52,6 +52,7 @@ def _atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata:
 
 
 GROUP_CHECKPOINT = "group_checkpoint.safetensors"
+CRASH_MARKER = "crashed"  # a job kept its checkpoint after crashing once (``note_crash``)
 
 
 _UNREADABLE = (SafetensorError, KeyError, ValueError, OSError, TypeError)
@@ -123,8 +124,20 @@ class RunFiles:
     # whose metadata names the group's runs in order. Sweep workers write these files (never the index).
     def drop_checkpoint(self, run_id: str) -> None:
         self._writable()
-        for name in ("checkpoint.safetensors", GROUP_CHECKPOINT):
+        for name in ("checkpoint.safetensors", GROUP_CHECKPOINT, CRASH_MARKER):
             (self.run_dir(run_id) / name).unlink(missing_ok=True)
+
+    def note_crash(self, run_id: str) -> bool:
+        """Note that the job whose checkpoint lives in ``run_id``'s directory crashed; returns whether it
+        had crashed before (then the caller drops the checkpoint, so the next sweep may regroup)."""
+        self._writable()
+        marker = self.run_dir(run_id) / CRASH_MARKER
+        if marker.exists():
+            marker.unlink()
+            return True
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("crashed\n")
+        return False
 
     def save_checkpoint(self, run_id: str, ckpt: dict) -> None:
         self._writable()
