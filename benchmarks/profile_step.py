@@ -8,7 +8,7 @@ the step of ``train.Runs`` (what ``train`` and ``engine.train_group`` run), time
 run-step, the achieved GFLOP/s (``flops.train_step_flops``: what the fast path computes), its
 fraction of the machine's fp32 GEMM rate at the same thread count (``flops.gemm_rate``), and the
 profiler's 15 costliest operators by self CPU time. Run it on a quiet machine, inside the training
-settings (``runtime.training_settings``, as a sweep worker trains).
+setting (``runtime.prepare_training``, as a sweep worker trains).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from softprior.config import make_run_config
 from softprior.flops import gemm_rate, train_step_flops
-from softprior.runtime import training_settings
+from softprior.runtime import prepare_training
 from softprior.train import Runs
 
 
@@ -36,18 +36,18 @@ def main(threads: int = 1, steps: int = 40) -> None:
     torch.set_num_threads(threads)
     rate = gemm_rate(threads)
     print(f"torch {torch.__version__}, {threads} thread(s), fp32 GEMM 1024^3: {rate:.1f} GFLOP/s\n")
-    with training_settings():
-        for K in (1, 8):
-            cfgs = [make_run_config("assoc_recall", "unforced", k) for k in range(K)]
-            runs = Runs(cfgs)
-            _time(runs, 10)  # warm-up
-            ms = min(_time(runs, steps) for _ in range(3)) / K  # per run-step, best of 3
-            gflops = train_step_flops(cfgs[0]) / ms / 1e6
-            print(f"## K = {K}: {ms:.2f} ms per run-step, {gflops:.1f} GFLOP/s, {gflops / rate:.0%} of GEMM\n")
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                _time(runs, steps)
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40)
-            print("```\n" + table + "```\n", flush=True)
+    prepare_training()
+    for K in (1, 8):
+        cfgs = [make_run_config("assoc_recall", "unforced", k) for k in range(K)]
+        runs = Runs(cfgs)
+        _time(runs, 10)  # warm-up
+        ms = min(_time(runs, steps) for _ in range(3)) / K  # per run-step, best of 3
+        gflops = train_step_flops(cfgs[0]) / ms / 1e6
+        print(f"## K = {K}: {ms:.2f} ms per run-step, {gflops:.1f} GFLOP/s, {gflops / rate:.0%} of GEMM\n")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _time(runs, steps)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40)
+        print("```\n" + table + "```\n", flush=True)
 
 
 if __name__ == "__main__":

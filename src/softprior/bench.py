@@ -219,11 +219,10 @@ def measure_group_scaling(ks=(1, 2, 4, 8, 16), steps: int = 30, threads: int = 1
 def run_bench(quick: bool = False, group_size: int = 8, log=print) -> dict:
     """Each implementation is timed at 1 thread and at the machine's thread count and reported at its
     faster one (the thread count tuned to the machine); the per-count figures are in the JSON.
-    The runtime settings (``runtime.training_settings``) apply to the whole benchmark, the reference
+    The runtime setting (``runtime.prepare_training``) applies to the whole benchmark, the reference
     included (the conservative ratio)."""
-    from .runtime import training_settings
-    with training_settings() as settings:
-        return _run_bench(quick, group_size, log, settings)
+    from .runtime import prepare_training
+    return _run_bench(quick, group_size, log, prepare_training())
 
 
 def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:

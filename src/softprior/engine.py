@@ -57,7 +57,7 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     """Train ``cfgs`` together. ``device``: where the stacked parameters and batches live (default
     ``$SOFTPRIOR_DEVICE`` or ``cpu``; e.g. ``cuda``). Data is drawn on the CPU from each run's own
     generator and copied over, so a run's numbers depend only on its config, not on the device's RNG.
-    Results (weights, metrics) come back on the CPU. Runs inside ``runtime.training_settings()``
+    Results (weights, metrics) come back on the CPU. Applies ``runtime.prepare_training()``
     (the allocator setting).
 
     resume / on_checkpoint / checkpoint_seconds: as in ``train.train``, for the whole group (the

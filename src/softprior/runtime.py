@@ -19,9 +19,9 @@ Denormal flushing was measured and removed: flush-to-zero saved 4.4% of a base a
 of a Markov run and 0.8% of a large run (``benchmarks/speed_machinery.py``; docs/PERFORMANCE.md),
 about 1-2% of the whole paper, and the project keeps speed code only where it saves 3% or more.
 
-``train`` and ``train_group`` run inside ``training_settings()``, the scripts in ``benchmarks/`` call
-``prepare_training()``; both apply the allocator setting, which is process-wide (nothing to restore)
-and changes no numbers, only where freed memory goes.
+``train``, ``train_group``, ``softprior bench`` and the scripts in ``benchmarks/`` call
+``prepare_training()``: the allocator setting, process-wide (nothing to restore), which changes no
+numbers, only where freed memory goes.
 
 Threads (``choose_threads``). A sweep gives each worker process its share of the cores (cores //
 workers, one thread each with ``--workers 2`` on 2 cores). A single run (``softprior train``) takes the
@@ -35,12 +35,11 @@ run bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import os
 
-__all__ = ["tune_allocator", "prepare_training", "training_settings",
+__all__ = ["tune_allocator", "prepare_training",
            "usable_cores", "free_cores", "choose_threads"]
 
 _M_TRIM_THRESHOLD = -1  # glibc malloc.h
@@ -71,15 +70,9 @@ def tune_allocator() -> bool:
 
 
 def prepare_training() -> dict[str, bool]:
-    """The allocator setting, for the rest of the process (``training_settings`` is the form that
-    ``train`` and ``train_group`` use)."""
+    """The allocator setting, for the rest of the process (``train`` and ``train_group`` apply it);
+    returns what was applied."""
     return {"allocator_tuned": tune_allocator()}
-
-
-@contextlib.contextmanager
-def training_settings():
-    """``prepare_training()`` around a ``with`` block; yields the dict of what was applied."""
-    yield prepare_training()
 
 
 def usable_cores() -> int:

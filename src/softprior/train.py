@@ -39,7 +39,7 @@ from .fastpath import model_forward
 from .model import SoftPriorTransformer, build_model  # noqa: F401 - build_model: re-exported (train.build_model)
 from .paths import PathConfig
 from .provenance import provenance
-from .runtime import training_settings
+from .runtime import prepare_training
 from .tasks import Task, make_task
 
 __all__ = ["train", "train_runs", "Runs", "clip_per_run_", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator", "prior_dropped",
@@ -308,7 +308,7 @@ def train(cfg: RunConfig, *, init_state: dict[str, torch.Tensor] | None = None,
     on_checkpoint: called every ``cfg.checkpoint_every`` steps, and at the first step after every
         ``checkpoint_seconds`` of training (sweeps: ``executors``), with a dict of tensors + metadata.
 
-    Runs inside ``runtime.training_settings()`` (the allocator setting).
+    Applies ``runtime.prepare_training()`` first (the allocator setting).
     """
     return train_runs([cfg], [init_state], progress=progress, device=device, resume=resume,
                       on_checkpoint=on_checkpoint, checkpoint_seconds=checkpoint_seconds)[0]
@@ -321,8 +321,8 @@ def train_runs(cfgs: list[RunConfig], init_states: list | None = None, *, progre
     may share one): ``Runs.step`` every step, ``Runs.evaluate`` every ``eval_every`` steps and at
     the end, snapshots every ``snapshot_every`` steps, checkpoints as ``train`` describes (the
     checkpoint's ``meta["run_ids"]`` names the runs in order; resuming another group's is refused)."""
-    with training_settings():
-        return _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, checkpoint_seconds)
+    prepare_training()
+    return _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, checkpoint_seconds)
 
 
 def _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, checkpoint_seconds) -> list[RunResult]:
