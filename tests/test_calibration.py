@@ -557,21 +557,40 @@ def test_a_registered_default_trains_the_configurations_the_search_measured(tmp_
         assert again.run_id == cfg.run_id
 
 
-def test_an_infeasible_candidate_says_why_in_one_line():
-    """The reason recorded for an infeasible candidate names the problem, without pydantic's
-    "Value error, " prefix or its documentation link (``search._reason``)."""
+def test_an_infeasible_candidate_says_why_in_one_line(tmp_path):
+    """The reason shown for an infeasible candidate names the problem in one line, without pydantic's
+    "Value error, " prefix or its documentation link (``config.validation_message``), and is re-derived
+    from the candidate's options: a study holding the multi-line text an older search stored shows the
+    reason, not the text, and the table prints it whole (not cut mid-word at 60 characters)."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
     from pydantic import ValidationError
 
-    from softprior.calibration.search import _reason, candidate_configs
+    from softprior.calibration.report import candidates_table
+    from softprior.calibration.search import _study, candidate_configs, load_candidates, refused_reason
+    from softprior.config import validation_message
     space = load_space("linear_icl_formats")
+    why = "task.n_points=31 does not fit in the context of 32 tokens (at most 15 in the interleaved format)"
     with pytest.raises(ValidationError) as e:
         candidate_configs(space, {"format": "interleaved", "d": 4, "n_points": 31}, {}, [0])
-    assert _reason(e.value) == ("task.n_points=31 does not fit in the context of 32 tokens "
-                                "(at most 15 in the interleaved format)")
+    assert validation_message(e.value) == why
     with pytest.raises(ValidationError) as e:
         make_run_config("markov", "unforced", seed=0, task_options={"p": 7.0})
-    assert _reason(e.value) == "p: Input should be less than or equal to 1"
-    assert _reason(ValueError("a\n  b")) == "a b"
+    assert validation_message(e.value) == "p: Input should be less than or equal to 1 (got 7.0)"
+    assert validation_message(ValueError("a\n  b")) == "a b"
+    assert refused_reason(space, {"format": "paired", "d": 4, "n_points": 31}, {}) is None
+
+    store = RunStore(tmp_path / "s")
+    study = _study(space, store)
+    params = {k: json.dumps(v[0]) for k, v in space.axes.items()}
+    params.update({"task.format": json.dumps("interleaved"), "task.d": json.dumps(4), "task.n_points": json.dumps(31)})
+    dists = {k: CategoricalDistribution(space.labels(k)) for k in space.axes}
+    study.add_trial(optuna.trial.create_trial(
+        params=params, distributions=dists, state=optuna.trial.TrialState.FAIL,
+        user_attrs={"infeasible": "    For further information visit https://errors.pydantic.dev/2.14/v/value_error"}))
+    [c] = load_candidates(space, store)
+    assert (c.status, c.error) == ("infeasible", why)
+    assert f"infeasible ({why})" in candidates_table(space, [c])
 
 
 def test_no_rows_is_no_configs_and_linear_icl_registers_over_its_own_difficulty_rows():

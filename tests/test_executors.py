@@ -311,6 +311,70 @@ def test_a_ray_sweep_survives_a_worker_killed_mid_group(tmp_path, ray_cluster):
     assert sorted(pieces.values()) == [1, 2] and pieces[tuple(next(g for g in groups if g[0] in resumed))] == 2
 
 
+def _pool_workers() -> list[int]:
+    """The pids of this process's spawned pool workers (Linux: read from /proc)."""
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if ppid == os.getpid() and "spawn_main" in cmd:
+            out.append(int(d.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the pool's workers through /proc")
+def test_a_local_sweep_survives_a_pool_worker_killed_mid_group(tmp_path):
+    """SIGKILL a worker of the local process pool while both groups train: the pool breaks, is started
+    again and takes both jobs again (``POOL_MAX_RETRIES``; with retries at 0 their runs fail and this
+    test does), each resumes from its checkpoint, and the sweep ends with every run stored once and the
+    bits of a sweep nobody killed."""
+    import threading
+
+    from softprior.store.files import RunFiles
+    import softprior.executors as ex
+    cfgs = [tiny_config(path=p, seed=s, steps=300, eval_every=50)
+            for s, p in enumerate(["unforced", "fade600", "unforced", "fade600"])]
+    groups = [[c.run_id for c in job] for job in ex._jobs(cfgs, 2)]
+    assert sorted(len(g) for g in groups) == [2, 2]
+    clean = RunStore(tmp_path / "clean")
+    assert execute(cfgs, clean, group_size=2, progress=False, require_calibration=False).trained == 4
+
+    root = tmp_path / "killed"
+    killed, stop = [], threading.Event()
+
+    def kill_a_worker_mid_group():
+        files, deadline = RunFiles(root), time.time() + 120
+        while not stop.is_set() and time.time() < deadline:
+            steps = [ck["meta"]["step"] if ck else 0 for ck in (files.load_group_checkpoint(g) for g in groups)]
+            pids = _pool_workers()
+            if all(60 <= s < 250 for s in steps) and len(pids) == 2:  # both groups mid-training, checkpointed
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append((pids[0], steps))
+                return
+            time.sleep(0.02)
+    killer = threading.Thread(target=kill_a_worker_mid_group, daemon=True)
+    killer.start()
+    try:
+        report = execute(cfgs, RunStore(root), workers=2, group_size=2, progress=False,
+                         require_calibration=False, checkpoint_seconds=0.05)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no worker was killed mid-group (the groups trained too fast or never checkpointed)"
+    assert report.trained == 4 and not report.failed, report.line()
+    store = RunStore(root)
+    assert len(store.rows()) == 4 and all(r["status"] == "done" for r in store.rows())
+    resumed = [c.run_id for c in cfgs if "resumed_at" in store.summary(c.run_id)]
+    assert resumed and all(store.summary(r)["resumed_at"] >= 60 for r in resumed)
+    for c in cfgs:
+        assert store.metrics(c.run_id) == clean.metrics(c.run_id)
+        a, b = store.load_state(c.run_id), clean.load_state(c.run_id)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_crashed_job_keeps_its_checkpoint_and_the_next_sweep_resumes_it(tmp_path):
     """A job whose process died (a pool worker, a Ray job out of retries) fails its runs in this sweep
     but leaves its checkpoint, so the next sweep resumes the group instead of retraining it."""
@@ -546,3 +610,12 @@ def test_executor_settings_from_the_environment_are_checked(monkeypatch):
         _env_int("SOFTPRIOR_RAY_MAX_RETRIES", 3)
     monkeypatch.delenv("SOFTPRIOR_RAY_MAX_RETRIES")
     assert _env_int("SOFTPRIOR_RAY_MAX_RETRIES", 3) == 3
+    from softprior.executors import _env_seconds
+    monkeypatch.setenv("SOFTPRIOR_CHECKPOINT_SECONDS", " 2.5 ")
+    assert _env_seconds("SOFTPRIOR_CHECKPOINT_SECONDS", 60.0) == 2.5
+    for bad in ("soon", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("SOFTPRIOR_CHECKPOINT_SECONDS", bad)
+        with pytest.raises(SettingError, match="SOFTPRIOR_CHECKPOINT_SECONDS must be a positive number"):
+            _env_seconds("SOFTPRIOR_CHECKPOINT_SECONDS", 60.0)
+    monkeypatch.delenv("SOFTPRIOR_CHECKPOINT_SECONDS")
+    assert _env_seconds("SOFTPRIOR_CHECKPOINT_SECONDS", 60.0) == 60.0

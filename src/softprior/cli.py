@@ -56,16 +56,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"softprior: error: {_one_line(message)} (see '{self.prog} --help')\n")
 
 
-def _format_validation_error(e) -> str:
-    parts = []
-    for err in e.errors():  # a field named as typed; one that is no identifier (an empty key) in quotes
-        loc = ".".join(str(x) if isinstance(x, int) or str(x).isidentifier() else repr(str(x))
-                       for x in err.get("loc", ()))
-        parts.append(f"{loc or 'value'}: {err.get('msg')}" + (f" (got {err['input']!r})" if "input" in err and
-                                                                not isinstance(err["input"], dict) else ""))
-    return "; ".join(parts)
-
-
 def parse_gates(text: str | None) -> tuple:
     """'pos=0,content=0' -> (0.0, 0.0); a missing gate keeps the model's own value (None)."""
     if not text:
@@ -883,8 +873,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"softprior: unexpected {type(e).__name__} (not an input error; the traceback above shows where)",
                   file=sys.stderr)
             return 1
-        msg = (f"invalid configuration: {_format_validation_error(e)}" if _is(e, [("pydantic", "ValidationError")])
-               else str(e))
+        if _is(e, [("pydantic", "ValidationError")]):
+            from .config import validation_message
+            msg = f"invalid configuration: {validation_message(e)}"
+        else:
+            msg = str(e)
         print(f"softprior: error: {_one_line(msg)}", file=sys.stderr)
         return code
 

@@ -18,7 +18,7 @@ from .paths import PathConfig, get_path
 from .records import LATER_DEFAULTS, default_options
 from .task_configs import TaskConfig, task_config
 
-__all__ = ["RunConfig", "make_run_config", "config_hash", "NON_SEMANTIC_FIELDS"]
+__all__ = ["RunConfig", "make_run_config", "config_hash", "validation_message", "NON_SEMANTIC_FIELDS"]
 
 # fields that do not change a run's numbers, so they are left out of its hash
 NON_SEMANTIC_FIELDS = {"checkpoint_every", "label"}
@@ -28,6 +28,25 @@ def config_hash(canonical: dict) -> str:
     """A run id: the first 16 hex digits of the SHA-256 of a canonical config (``RunConfig.canonical``)
     as sorted, compact JSON. ``store.integrity`` checks stored configs against their run ids with it."""
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def validation_message(e: Exception) -> str:
+    """One line saying why a configuration was refused, for the CLI and the calibration search alike:
+    pydantic's errors as "field: message (got input)", the field as typed (a name that is no identifier,
+    such as an empty key, in quotes), without pydantic's "Value error, " prefix or documentation link;
+    a check on the whole model names its fields in its own message. Any other error as it reads, its
+    whitespace (newlines included) collapsed."""
+    errs = e.errors() if callable(getattr(e, "errors", None)) else None
+    if not errs:
+        return " ".join(str(e).split())
+    parts = []
+    for err in errs:
+        loc = ".".join(str(x) if isinstance(x, int) or str(x).isidentifier() else repr(str(x))
+                       for x in err.get("loc", ()))
+        msg = " ".join(str(err.get("msg", "")).removeprefix("Value error, ").split())
+        got = f" (got {err['input']!r})" if loc and "input" in err and not isinstance(err["input"], dict) else ""
+        parts.append(f"{loc}: {msg}{got}" if loc else msg)
+    return "; ".join(parts)
 
 
 class RunConfig(BaseModel):

@@ -16,7 +16,8 @@ Nothing is lost when a sweep is killed: a job (a run or a group) writes a checkp
 directory every ``checkpoint_seconds`` of training (default ``SWEEP_CHECKPOINT_SECONDS``; not on a
 remote Ray cluster, which may not see the store's files, unless ``shared_store`` says every node
 sees it), and the next sweep keeps a checkpointed group together and resumes it bit-identically. A
-job whose process died (a pool worker, a Ray job out of retries) has its runs recorded as failed and
+job whose worker process died is run again from its checkpoint (a pool job up to ``POOL_MAX_RETRIES``
+times, a Ray job ``RAY_MAX_RETRIES``); out of retries, it has its runs recorded as failed and
 keeps its checkpoint, so the next sweep resumes them. Workers write only these scratch files; the driver
 alone writes results and the index.
 
@@ -47,6 +48,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import math
 import os
 import queue
 import sys
@@ -73,6 +75,8 @@ RATE_SECONDS = 30.0
 # returned by ``work``) is run again up to this many times before its runs are recorded as failed
 # ($SOFTPRIOR_RAY_MAX_RETRIES). Ray's own default (3, or $RAY_TASK_MAX_RETRIES) is not relied on.
 RAY_MAX_RETRIES = 3
+# the same for a job of the local process pool whose worker died (``_Pool``)
+POOL_MAX_RETRIES = 3
 
 # ms per run-step of a base-model group of K runs at 1 thread (each sweep worker's setting), measured by
 # ``benchmarks/scaling.py`` on the development machine (docs/PERFORMANCE.md): per-op overhead is paid
@@ -307,35 +311,68 @@ def _ray_work(cfgs, init_states, threads, checkpoints, *args, **kwargs) -> JobRe
 
 
 class _Pool:
+    """A process pool (spawned workers, ``threads`` torch threads each). A worker that dies (killed, out
+    of memory) breaks a ``ProcessPoolExecutor``: every job in it fails with ``BrokenProcessPool`` and
+    it takes no more. The pool is then started again and each of those jobs submitted again, at most
+    ``POOL_MAX_RETRIES`` times; a job resumes from its checkpoint and training is deterministic, so its
+    runs come out bit-identical. The job that killed its worker cannot be told from the others in
+    flight, so each of them spends a retry; out of retries, a job's runs fail in this sweep
+    (``JobResult.crashed``; their checkpoint is kept) and the next sweep resumes them."""
+
     def __init__(self, workers: int, checkpoints: str | None, checkpoint_seconds: float | None, progress: bool = False):
-        from concurrent.futures import ProcessPoolExecutor
         import multiprocessing as mp
-        ctx = mp.get_context("spawn")
+        self.ctx = mp.get_context("spawn")
+        self.workers = workers
         self.threads = max(1, (os.cpu_count() or 1) // workers)
-        self.queue = ctx.Queue() if progress else None  # handed to each worker as it starts
-        self.ex = ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
-                                      **({"initializer": _pool_worker_init, "initargs": (self.queue,)} if progress else {}))
+        self.queue = self.ctx.Queue() if progress else None  # handed to each worker as it starts
         self.futs = {}
         self.ck = (checkpoints, checkpoint_seconds)
+        self.generation, self.ex = 0, None
+        self._start()
 
-    def submit(self, cfgs, init_states, job=None):
+    def _start(self):
+        from concurrent.futures import ProcessPoolExecutor
+        if self.ex is not None:
+            self.ex.shutdown(wait=False, cancel_futures=True)
+        self.ex = ProcessPoolExecutor(max_workers=self.workers, mp_context=self.ctx,
+                                      **({"initializer": _pool_worker_init, "initargs": (self.queue,)}
+                                         if self.queue is not None else {}))
+        self.generation += 1
+
+    def submit(self, cfgs, init_states, job=None, tries: int = 0):
+        from concurrent.futures.process import BrokenProcessPool
         report = functools.partial(_to_queue, job) if job is not None and self.queue is not None else None
-        self.futs[self.ex.submit(work, cfgs, init_states, self.threads, *self.ck, report=report,
-                                 report_seconds=PROGRESS_SECONDS)] = (cfgs, init_states)
+        args = (work, cfgs, init_states, self.threads, *self.ck)
+        try:
+            f = self.ex.submit(*args, report=report, report_seconds=PROGRESS_SECONDS)
+        except BrokenProcessPool:  # broke since its last result was collected
+            self._start()
+            f = self.ex.submit(*args, report=report, report_seconds=PROGRESS_SECONDS)
+        self.futs[f] = (cfgs, init_states, job, tries, self.generation)
 
     def next_done(self, poll=None):
         from concurrent.futures import FIRST_COMPLETED, wait
+        from concurrent.futures.process import BrokenProcessPool
         while True:
             done, _ = wait(list(self.futs), timeout=PROGRESS_SECONDS if poll else None, return_when=FIRST_COMPLETED)
-            if done:
-                break
-            poll()
-        f = next(iter(done))
-        cfgs, inits = self.futs.pop(f)
-        try:
-            return cfgs, inits, f.result()
-        except Exception as e:  # noqa: BLE001 - a worker crash fails its runs, not the sweep
-            return cfgs, inits, JobResult([(None, f"worker crashed: {type(e).__name__}: {e}")] * len(cfgs), crashed=True)
+            if not done:
+                poll()
+                continue
+            f = next(iter(done))
+            cfgs, inits, job, tries, generation = self.futs.pop(f)
+            try:
+                return cfgs, inits, f.result()
+            except BrokenProcessPool as e:
+                if generation == self.generation:  # the first of its jobs to be collected restarts the pool
+                    self._start()
+                if tries < POOL_MAX_RETRIES:
+                    self.submit(cfgs, inits, job, tries + 1)
+                    continue
+                err = e
+            except Exception as e:  # noqa: BLE001 - a worker crash fails its runs, not the sweep
+                err = e
+            return cfgs, inits, JobResult([(None, f"worker crashed: {type(err).__name__}: {err}")] * len(cfgs),
+                                          crashed=True)
 
     def drain(self):
         out = []
@@ -655,10 +692,6 @@ def _jobs(cfgs: list[RunConfig], group_size: int | dict[str, int], kept: list[li
     return sorted(jobs, key=_job_cost, reverse=True)
 
 
-# a step of a positional scheme against a fast-path step of the same size without one, where they
-# differ: the contextual schemes run their own code on every logit (benchmarks/contextual_fastpath.py,
-# column "fast / nope": 1 thread, assoc recall and Markov, K = 1 and 4; CoPE 2.7-3.3, DAPE 3.5-4.0,
-# GPSA 1.5-1.6). Every other scheme costs about what the soft prior's step does.
 class SettingError(ValueError):
     """An environment variable the executors read holds a value they cannot use (one line at the CLI)."""
 
@@ -675,6 +708,21 @@ def _env_int(name: str, default: int) -> int:
         raise SettingError(f"${name} must be an integer, got {raw!r}") from None
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment (``default`` when unset); anything else is a
+    one-line error naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise SettingError(f"${name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
 def _env_flag(name: str) -> bool:
     """A yes/no switch from the environment: unset, 0, false, no or off is no; 1, true, yes or on is yes;
     anything else a one-line error naming the variable."""
@@ -686,6 +734,10 @@ def _env_flag(name: str) -> bool:
     raise SettingError(f"${name} must be 1 or 0 (yes / no), got {raw!r}")
 
 
+# a step of a positional scheme against a fast-path step of the same size without one, where they
+# differ: the contextual schemes run their own code on every logit (benchmarks/contextual_fastpath.py,
+# column "fast / nope": 1 thread, assoc recall and Markov, K = 1 and 4; CoPE 2.7-3.3, DAPE 3.5-4.0,
+# GPSA 1.5-1.6). Every other scheme costs about what the soft prior's step does.
 STEP_COST: dict[str, float] = {"cope": 3.0, "dape": 3.7, "gpsa": 1.5}
 # a step through vmap of the readable model (a scheme the fast path does not know, or active hooks)
 # against a plain fast-path step: NoPE and the bias schemes measured ~2.0x (docs/PERFORMANCE.md); a
@@ -748,7 +800,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     phases = [[p for p in parents if p.run_id not in {c.run_id for c in cfgs}], [c for c in cfgs if c.parent() is None],
               [c for c in cfgs if c.parent() is not None]]
     if checkpoint_seconds is None:
-        checkpoint_seconds = float(os.environ.get("SOFTPRIOR_CHECKPOINT_SECONDS", SWEEP_CHECKPOINT_SECONDS))
+        checkpoint_seconds = _env_seconds("SOFTPRIOR_CHECKPOINT_SECONDS", SWEEP_CHECKPOINT_SECONDS)
     ck = str(Path(store.root).resolve())  # a Ray worker's working directory is not the driver's
     # the bar counts every run this sweep may train (parents included); runs it does not train leave it
     sweep = _Progress([c for ph in phases for c in ph if not store.is_done(c.run_id)]) if progress and sweep_bar else None

@@ -15,6 +15,12 @@ def _fmt(x, nd=3):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
+def _cell(text: str, limit: int = 160) -> str:
+    """``text`` fit for one table cell: one line, a "|" escaped, cut at a word near ``limit`` with "..."."""
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def choose(cands):
     """The pre-registered choice: the passing candidate nearest to the difficulty rows (smallest
     distance); if none passes, None (and the nearest candidates are reported instead)."""
@@ -33,7 +39,7 @@ def candidates_table(space, cands, fade: dict | None = None) -> str:
         head.append("fade600 zero (seed 0)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in sorted(cands, key=lambda c: (c.status in ("infeasible", "interrupted"), c.distance if not math.isnan(c.distance) else 9e9, c.cid)):
-        cells = [c.cid, c.label, c.status + (f" ({c.error[:60]})" if c.error else ""), _fmt(c.distance),
+        cells = [c.cid, c.label, c.status + (f" ({_cell(c.error)})" if c.error else ""), _fmt(c.distance),
                  candidate_reference(space, c)]
         for r, g in cols:
             v = c.values.get(f"{r.key}|{g}")

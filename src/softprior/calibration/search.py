@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from ..config import make_run_config
+from ..config import make_run_config, validation_message
 from ..report import formation_step
 from .criteria import PAPER_ACCURACY, Criterion, Row, criteria_for, difficulty_rows
 from .space import SearchSpace
@@ -82,16 +82,15 @@ def ceiling(space: SearchSpace, t_opts: dict, m_opts: dict, row: Row | None = No
     return task.bayes_accuracy() if hasattr(task, "bayes_accuracy") else (math.nan, math.nan)
 
 
-def _reason(e: ValueError) -> str:
-    """Why a candidate is infeasible, in one line: pydantic's errors as "field: message" (without its
-    "Value error, " prefix and its documentation link), any other ValueError as it reads."""
-    errs = e.errors() if hasattr(e, "errors") else None
-    if not errs:
-        return " ".join(str(e).split())
-    def one(x):
-        loc, msg = ".".join(map(str, x.get("loc", ()))), str(x.get("msg", "")).removeprefix("Value error, ")
-        return f"{loc}: {msg}" if loc else msg
-    return "; ".join(map(one, errs))
+def refused_reason(space: SearchSpace, t_opts: dict, m_opts: dict) -> str | None:
+    """Why validation refuses a candidate's options, in one line (``config.validation_message``), or None
+    where its configurations validate. Cheap and deterministic, so an infeasible candidate's reason is
+    re-derived from the code each time it is shown, not read from text stored when it was searched."""
+    try:
+        candidate_configs(space, t_opts, m_opts, [0])
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        return validation_message(e)
+    return None
 
 
 def check_ceiling(space: SearchSpace, t_opts: dict, m_opts: dict) -> None:
@@ -223,7 +222,7 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
                 candidate_configs(space, t_opts, m_opts, full, steps=steps)
                 check_ceiling(space, t_opts, m_opts)
             except ValueError as e:  # pydantic's ValidationError is a ValueError
-                msg = _reason(e)
+                msg = validation_message(e)
                 tr.set_user_attr("infeasible", msg[:300])
                 study.tell(tr, state=TrialState.FAIL)
                 continue
@@ -334,9 +333,11 @@ def load_candidates(space: SearchSpace, store) -> list[Candidate]:
         else:
             status = "passes" if a.get("passes") else "fails"
         dist = t.value if t.value is not None else (t.intermediate_values.get(space.first_seeds, math.nan))
+        # infeasible: refused by validation (re-derived), else by the ceiling check (a Monte Carlo: stored)
+        why = (refused_reason(space, t_opts, m_opts) or a.get("infeasible", "")) if status == "infeasible" else ""
         out.append(Candidate(t.number, dict(t.params), t_opts, m_opts, status, dist, a.get("n_seeds", 0),
                              a.get("means", {}), a.get("values", {}), a.get("checks", {}), a.get("formation", []),
-                             a.get("infeasible", "")))
+                             why))
     f = _nearest_file(space, store)
     if f.exists():  # measured on every seed after the search (``complete_nearest``)
         extra = json.loads(f.read_text())

@@ -335,11 +335,13 @@ class RunIndex:
     # ------------------------------------------------------------------ the time ledger
     def record_timing(self, kind: str, name: str, seconds: float, flop: float = 0.0, runs: int = 0,
                       started_at: float | None = None, host: str | None = None, code_version: str | None = None,
-                      gemm_gflops: float | None = None, detail: dict | None = None) -> None:
-        """Append one row to the time ledger (never updated nor deleted: see ``ledger``)."""
+                      gemm_gflops: float | None = None, detail: dict | None = None,
+                      created: float | None = None) -> None:
+        """Append one row to the time ledger (never updated nor deleted: see ``ledger``); ``created``
+        is now, unless a row carried over from a damaged index (``store.integrity``) keeps its own."""
         if kind not in LEDGER_KINDS:
             raise ValueError(f"unknown ledger kind {kind!r}; allowed: {', '.join(LEDGER_KINDS)}")
-        now = time.time()
+        now = time.time() if created is None else float(created)
         with self._connect(write=True) as db:
             db.execute("INSERT INTO ledger(kind, name, seconds, flop, runs, started_at, host, code_version, gemm_gflops,"
                        " detail, created) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

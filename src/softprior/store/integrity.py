@@ -33,7 +33,8 @@ intact (against the checksums that could still be read from the old index, else 
 indexed as done again, with its checksums; failed-run rows and recorded engine errors of the old index
 are not carried over (they are kept in the moved file). The record sightings that can still be read
 are carried over with their times, and the valid records present are seen at the rebuild, before the
-runs are indexed again (a rebuilt index dates its runs from the rebuild). Refused records of the store
+runs are indexed again (a rebuilt index dates its runs from the rebuild); so are the time ledger's rows
+that can still be read, in their order, with their times. Refused records of the store
 are moved to ``STORE/damaged/calibration/NAME.TIMESTAMP``. Repair while no sweep writes to the store.
 """
 
@@ -187,6 +188,22 @@ def _read_clock(path: Path) -> dict[str, float]:
         db.close()
 
 
+def _read_ledger(path: Path) -> list[dict]:
+    """The index's time-ledger rows, oldest first (``RunIndex.ledger``'s columns); empty where none can
+    be read (a store from before the ledger, a damaged index)."""
+    try:
+        db = connect_read_only(path)
+    except sqlite3.Error:
+        return []
+    try:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute("SELECT * FROM ledger ORDER BY id")]
+    except sqlite3.DatabaseError:
+        return []
+    finally:
+        db.close()
+
+
 def _row_problem(rid: str, row: dict) -> str | None:
     """Why a finished run's index row is unusable, or None."""
     try:
@@ -306,7 +323,7 @@ def verify_store(root: str | os.PathLike, repair: bool = False) -> VerifyReport:
         if not recorded:
             report.unverified.append(rid)
         report.problems += _check_files(root, rid, recorded, report)
-    clock = _read_clock(index)
+    clock, ledger = _read_clock(index), _read_ledger(index)
     if not report.index_damaged:
         report.problems += _record_problems(root, done, clock, report)
     if not report.index_damaged:  # (with a damaged index every directory would look unfinished)
@@ -316,7 +333,7 @@ def verify_store(root: str | os.PathLike, repair: bool = False) -> VerifyReport:
         return report
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if report.index_damaged:
-        report.requeued, report.rebuilt = _rebuild_index(root, sums, stamp, sightings=clock)
+        report.requeued, report.rebuilt = _rebuild_index(root, sums, stamp, sightings=clock, ledger=ledger)
         report.records_moved = _move_records_aside(root, report, stamp)
         return report
     bad = report.damaged_runs
@@ -335,15 +352,24 @@ def _move_aside(root: Path, rid: str, stamp: str) -> None:
         shutil.move(str(d), str(root / "damaged" / f"{rid}.{stamp}"))
 
 
-def _rebuild_index(root: Path, salvaged: dict, stamp: str, sightings: dict | None = None) -> tuple[list[str], int]:
+def _rebuild_index(root: Path, salvaged: dict, stamp: str, sightings: dict | None = None,
+                   ledger: list[dict] | None = None) -> tuple[list[str], int]:
     """Move the damaged index aside, then index every intact finished run directory again (after the
-    record sightings: those salvaged, with their times, and the valid records present, now)."""
+    record sightings: those salvaged, with their times, and the valid records present, now; and the
+    time-ledger rows salvaged, as they were)."""
     for suffix in ("", "-wal", "-shm"):
         f = root / f"index.sqlite{suffix}"
         if f.exists():
             os.replace(f, root / f"index.sqlite.damaged.{stamp}{suffix}")
     store = RunStore(root, read_only=False)  # a fresh, empty index
     _restore_clock(store.index, root, sightings or {})
+    for r in ledger or []:
+        try:
+            detail = json.loads(r.get("detail") or "{}")
+            store.index.record_timing(r["kind"], r["name"], r["seconds"], r["flop"], r["runs"], r["started_at"],
+                                      r["host"], r["code_version"], r["gemm_gflops"], detail, created=r["created"])
+        except (KeyError, TypeError, ValueError):  # a row the damage reached: left in the moved file
+            continue
     requeued, indexed = [], 0
     scratch = VerifyReport(root)
     for d in sorted(p for p in (root / "runs").iterdir() if p.is_dir()):
