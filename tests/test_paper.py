@@ -63,6 +63,87 @@ def test_a_claim_whose_interval_straddles_its_threshold_is_inconclusive():
     assert {cl.name: vv for cl, vv, _ in verdicts(table([0.10, 0.19]))}["forced_zero fails"].startswith("inconclusive")
 
 
+def _seeded(cells: dict) -> dict:
+    """Claim tables from per-seed values: {(experiment, row, column): [values]}."""
+    out = {}
+    for (exp, row, col), vals in cells.items():
+        t = out.setdefault(exp, {})
+        t[(row, col)] = sum(vals) / len(vals)
+        t[(row, col, "values")], t[(row, col, "n")] = vals, float(len(vals))
+    return out
+
+
+def test_undecided_cells_and_only_those_get_more_seeds():
+    """``more_seeds``: a condition whose interval straddles its threshold at the paper's seed count
+    extends the cells it reads (and the one it is compared with); a decided one, a point value and a
+    cell already at MAX_SEEDS do not."""
+    from softprior.paper import MAX_SEEDS, more_seeds
+    tables = _seeded({
+        ("causal_controls", "forced_zero", "zero"): [0.10, 0.15, 0.20, 0.12, 0.18],  # mean .15: undecided
+        ("causal_controls", "posthoc", "zero"): [0.10, 0.11, 0.12, 0.10, 0.11],  # <= .3: holds
+        ("markov_paths", "fade600", "p=0.2 zero"): [0.30, 0.10, 0.20],  # - forced_zero (.10) >= .1: undecided
+        ("markov_paths", "forced_zero", "p=0.2 zero"): [0.10, 0.10, 0.10],
+        ("markov_paths", "fade600", "p=0.8 zero"): [0.50, 0.60, 0.55],  # decided: well above
+        ("markov_paths", "forced_zero", "p=0.8 zero"): [0.10, 0.10, 0.10],
+    })
+    tables["removability"] = {("fade600", "zero"): 0.60}  # a point value: no interval to narrow
+    assert more_seeds(tables) == (("causal_controls", "forced_zero", "zero"),
+                                  ("markov_paths", "fade600", "p=0.2 zero"),
+                                  ("markov_paths", "forced_zero", "p=0.2 zero"))
+    ten = _seeded({("causal_controls", "forced_zero", "zero"): [0.10, 0.15, 0.20, 0.12, 0.18] * 2})
+    assert len(ten["causal_controls"][("forced_zero", "zero", "values")]) == MAX_SEEDS
+    assert more_seeds(ten) == ()
+
+
+def test_extended_cells_are_the_same_configurations_at_further_seeds():
+    """``build_cells``: the paper's cells unchanged and first, then the named (row, column) cells at
+    seeds n .. MAX_SEEDS - 1, nothing else; an extension for another experiment adds nothing."""
+    from softprior.paper import MAX_SEEDS, build_cells
+    exp = get_experiment("markov_paths")
+    base = exp.build(Options())
+    cells = build_cells(exp, Options(extend=(("markov_paths", "fade600", "p=0.2 zero"),
+                                             ("causal_controls", "unforced", "zero"))))
+    assert [c.cfg.run_id for c in cells[:len(base)]] == [c.cfg.run_id for c in base]
+    extra = cells[len(base):]
+    n = sum(c.row == "fade600" and c.col == "p=0.2" for c in base)
+    assert n == 3 and len(extra) == MAX_SEEDS - n
+    assert {(c.row, c.col) for c in extra} == {("fade600", "p=0.2")}
+    assert sorted(c.cfg.seed for c in extra) == list(range(n, MAX_SEEDS))
+    twin = next(c for c in base if c.row == "fade600" and c.col == "p=0.2")
+    for c in extra:  # the same configuration but for its seed
+        assert c.cfg.model_copy(update={"seed": twin.cfg.seed}).run_id == twin.cfg.run_id
+    assert [c.cfg.run_id for c in build_cells(exp, Options(extend=(("paths", "fade600", "base zero"),)))] == \
+        [c.cfg.run_id for c in base]
+
+
+def test_the_paper_command_extends_undecided_cells_before_calling_them(monkeypatch):
+    """``cli._more_seeds`` (what ``reproduce paper`` and ``report paper`` run after the paper's seeds):
+    the extension decided on the paper-seed tables, the cells rebuilt with it, and the added runs
+    (not those already stored) handed back to train."""
+    import softprior.paper as paper
+    from softprior.cli import _more_seeds
+    names = ["causal_controls"]
+    exps = paper.paper_cells(Options(), names)
+    seen = []
+
+    def tables(store, e):
+        seen.append([len(cells) for _, cells in e])
+        return _seeded({("causal_controls", "forced_zero", "zero"): [0.10, 0.15, 0.20, 0.12, 0.18]})
+    monkeypatch.setattr(paper, "claim_tables", tables)
+
+    class Store:
+        def is_done(self, run_id):
+            return run_id in done
+    done = set()
+    opts, wider, more = _more_seeds(Store(), Options(), names, exps)
+    assert seen == [[len(exps[0][1])]]  # decided on the paper's cells alone
+    assert opts.extend == (("causal_controls", "forced_zero", "zero"),)
+    assert len(more) == paper.MAX_SEEDS - 5 and {c.path.name for c in more} == {"forced_zero"}
+    assert len(wider[0][1]) == len(exps[0][1]) + len(more)
+    done.add(more[0].run_id)  # a run stored already is not trained again
+    assert len(_more_seeds(Store(), Options(), names, exps)[2]) == len(more) - 1
+
+
 def test_every_claim_reads_a_paper_experiment():
     from softprior.paper import OURS, PAPER
     for cl in CLAIMS:

@@ -317,7 +317,8 @@ def _from_bundle(args):
     source = BundleSource(args.from_bundle)
     m = source.manifest
     o = m["options"]
-    opts = Options(seeds=o["seeds"], quick=o["quick"], tasks=tuple(o["tasks"]) if o["tasks"] is not None else None)
+    opts = Options(seeds=o["seeds"], quick=o["quick"], tasks=tuple(o["tasks"]) if o["tasks"] is not None else None,
+                   extend=tuple(tuple(x) for x in o.get("extend", ())))
     given = {"--seeds": (args.seeds, opts.seeds), "--tasks": (args.tasks and tuple(
         t.strip() for t in args.tasks.split(",")), opts.tasks), "--quick": (args.quick or None, opts.quick or None)}
     for flag, (mine, theirs) in given.items():
@@ -346,8 +347,8 @@ def _paper(args, train: bool) -> int:
     from pathlib import Path
 
     from .experiments import Options, load_plugin
-    from .paper import (CALIBRATION_SPACES, OURS, PAPER, paper_cells, write_calibration_docs, write_reports,
-                        write_results_doc)
+    from .paper import (CALIBRATION_SPACES, MAX_SEEDS, OURS, PAPER, paper_cells, write_calibration_docs,
+                        write_reports, write_results_doc)
     from .report import check_clean
     for f in args.plugin or []:
         load_plugin(f)
@@ -385,6 +386,19 @@ def _paper(args, train: bool) -> int:
                          address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
         print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         failed = len(report.failed)
+    if not getattr(args, "from_bundle", None) and opts.seeds is None and not opts.quick:
+        opts, exps, more = _more_seeds(store, opts, names, exps)
+        if more and train:
+            from .executors import execute
+            _refuse_dirty_training(more, store, exploratory)
+            print(f"paper: {len(opts.extend)} cell(s) undecided at the paper's seed counts, run on up to "
+                  f"{MAX_SEEDS} seeds: {len(more)} more runs", file=sys.stderr)
+            t0 = time.perf_counter()
+            report = execute(more, store, executor=args.executor, workers=args.workers, group_size=args.group,
+                             address=args.address, progress=not args.no_progress,
+                             require_calibration=not args.exploratory)
+            print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+            failed += len(report.failed)
     check_clean(store, exps, exploratory)  # before any file is written: every table's runs at once
     writer = None
     if bundle is not None:
@@ -406,7 +420,8 @@ def _paper(args, train: bool) -> int:
         def rel(p):
             return Path(os.path.relpath(Path(p).resolve(), out.resolve())).as_posix() if p else None
         writer.finish({"options": {"seeds": opts.seeds, "quick": opts.quick,
-                                   "tasks": list(opts.tasks) if opts.tasks is not None else None},
+                                   "tasks": list(opts.tasks) if opts.tasks is not None else None,
+                                   "extend": [list(x) for x in opts.extend]},
                        "experiments": [e.name for e, _ in exps], "spaces": [{"name": s} for s in written],
                        "exploratory": bool(exploratory),
                        "docs": {"results": rel(doc), "readme": rel(readme), "calibration": rel(cal_doc) if written
@@ -415,6 +430,24 @@ def _paper(args, train: bool) -> int:
     print(f"wrote {len(exps)} experiments under {out}/ and {doc}" + (f", the bundle {bundle}/" if writer else "")
           + (f"; updated {cal_doc} ({', '.join(written)})" if written else ""), file=sys.stderr)
     return 1 if failed else 0
+
+
+def _more_seeds(store, opts, names, exps):
+    """At the paper's seed counts: the cells whose condition is undecided there (``paper.more_seeds``,
+    decided on those seeds' runs alone) get seeds up to ``paper.MAX_SEEDS``. Returns the options with
+    the extension, their (experiment, cells), and the added runs not yet in ``store``."""
+    import dataclasses
+
+    from .paper import claim_tables, more_seeds, paper_cells
+    extend = more_seeds(claim_tables(store, exps))
+    if not extend:
+        return opts, exps, []
+    opts = dataclasses.replace(opts, extend=extend)
+    wider = paper_cells(opts, names)
+    have = {c.cfg.run_id for _, cells in exps for c in cells}
+    more = list({c.cfg.run_id: c.cfg for _, cells in wider for c in cells
+                 if c.cfg.run_id not in have and not store.is_done(c.cfg.run_id)}.values())
+    return opts, wider, more
 
 
 def _refuse_dirty_training(cfgs, store, exploratory: bool) -> None:

@@ -35,6 +35,9 @@ class Options:
     seeds: int | None = None  # None: the experiment's (paper's) seed count
     quick: bool = False
     tasks: tuple[str, ...] | None = None  # a filter: labels or task names of TASK_VARIANTS
+    # (experiment, row, column) cells whose verdict was undecided at the paper's seed counts, run on
+    # more seeds (``paper.more_seeds``; read by ``paper.build_cells``, not by an experiment's build)
+    extend: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self):
         if self.tasks is not None:

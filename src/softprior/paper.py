@@ -17,12 +17,32 @@ from .claims import (CLAIMS, CONFIDENCE, HIGH, Cond, PaperClaim, claims_spec, di
 
 __all__ = ["PAPER", "OURS", "Cond", "PaperClaim", "CLAIMS", "verdicts", "verdict_of", "claims_spec", "mean_interval",
            "difference_interval", "sd_interval", "verdict_table", "verdict_summary", "write_results_doc", "formation_summary",
-           "paper_cells", "write_reports", "write_calibration_docs", "CALIBRATION_SPACES"]
+           "paper_cells", "build_cells", "claim_tables", "more_seeds", "MAX_SEEDS", "write_reports",
+           "write_calibration_docs", "CALIBRATION_SPACES"]
 
 PAPER = ["removability", "paths", "causal_controls", "fade_window", "fade_shapes", "markov_paths", "linear_paths",
          "extra_controls", "static_baselines", "gate_interventions", "length_generalisation", "mechanism_trace",
          "continuation_trace"]
 OURS = ["late_fade", "mechanism_trace_late", "mechanism_trace_large", "continuation_trace_large"]
+
+
+def _table(records) -> dict[tuple, object]:
+    """(row, column) -> mean, and (row, column, KEY) for KEY in "std", "n", "ceiling" and "values", from
+    the records of a ``report.aggregate`` table (as read back from ``table.csv`` or straight from it)."""
+    import math
+    t = {}
+    for rec in records:
+        m = rec["mean"]
+        if m == "" or math.isnan(float(m)):
+            continue
+        key = (str(rec["row"]), str(rec["column"]))
+        t[key] = float(m)
+        for k in ("std", "n", "ceiling"):
+            v = rec.get(k, "")
+            t[(*key, k)] = float(v) if v != "" else float("nan")
+        vals = str(rec.get("values", "") or "")
+        t[(*key, "values")] = [float(v) for v in vals.split(";") if v != ""]
+    return t
 
 
 def load_tables(results_dir: str | Path) -> dict[str, dict[tuple, object]]:
@@ -31,26 +51,12 @@ def load_tables(results_dir: str | Path) -> dict[str, dict[tuple, object]]:
     where an experiment's analysis writes one, ``claims.csv`` (same columns; e.g. the continuation
     quantities, ``analysis.reports.continuation_claims_table``). Empty cells (NaN) count as not
     measured; a table without "values" (written before they were recorded) is decided on its points."""
-    import math
-
     import pandas as pd
     out = {}
     for p in sorted([*Path(results_dir).glob("*/table.csv"), *Path(results_dir).glob("*/claims.csv")]):
         df = pd.read_csv(p, keep_default_na=False)
-        if df.empty:
-            continue
-        t = out.setdefault(p.parent.name, {})
-        for rec in df.to_dict("records"):
-            m = rec["mean"]
-            if m == "" or math.isnan(float(m)):
-                continue
-            key = (str(rec["row"]), str(rec["column"]))
-            t[key] = float(m)
-            for k in ("std", "n", "ceiling"):
-                v = rec.get(k, "")
-                t[(*key, k)] = float(v) if v != "" else float("nan")
-            vals = str(rec.get("values", "") or "")
-            t[(*key, "values")] = [float(v) for v in vals.split(";") if v != ""]
+        if not df.empty:
+            out.setdefault(p.parent.name, {}).update(_table(df.to_dict("records")))
     return {k: v for k, v in out.items() if v}
 
 
@@ -103,7 +109,10 @@ interval for a mean, paired by seed for a difference between two paths, chi-squa
 *holds* when the whole interval lies on its side of the threshold, *fails* when the whole interval
 lies on the other side, and is *undecided* otherwise; a claim is *reproduced* when every condition
 holds, *not reproduced* when every one fails, *inconclusive* when none fails but one is undecided,
-and *partly* otherwise. One seed gives no interval (inconclusive). A table written before per-seed
+and *partly* otherwise. One seed gives no interval (inconclusive). Where a condition is undecided at
+the paper's seed counts (5 for the fade window and the causal controls, 3 elsewhere), the cells it
+reads are run on up to 10 seeds before the claim is called: once, decided on the paper's seeds alone
+(`paper.more_seeds`), so n beside each number says how many seeds it rests on. A table written before per-seed
 values were recorded is decided on its point values, and says so. Thresholds that mean "high
 accuracy" are shares of the task's Bayes ceiling (`x ceiling`). What the continuation view (Sec. 3.3)
 measures, and when its tangents count, is in `CONTINUATION.md`.
@@ -164,9 +173,61 @@ def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extr
 
 
 def paper_cells(opts, names=None):
-    """(experiment, cells) for every experiment of the paper and ours, in order."""
+    """(experiment, cells) for every experiment of the paper and ours, in order (``build_cells``)."""
     from .experiments import get_experiment
-    return [(get_experiment(n), get_experiment(n).build(opts)) for n in (names or (PAPER + OURS))]
+    return [(get_experiment(n), build_cells(get_experiment(n), opts)) for n in (names or (PAPER + OURS))]
+
+
+# where a condition is undecided at the paper's seed counts (5 for the fade window and the causal
+# controls, 3 elsewhere), the cells it reads are run on this many seeds before the claim is called
+MAX_SEEDS = 10
+
+
+def build_cells(exp, opts):
+    """``exp``'s cells under ``opts``, plus, for each of its cells named in ``opts.extend``, the seeds
+    up to ``MAX_SEEDS`` (the same configurations at further seeds, appended after the paper's cells)."""
+    import dataclasses
+
+    from .report import column_label
+    cells = exp.build(opts)
+    wanted = {(row, col) for e, row, col in opts.extend if e == exp.name}
+    if not wanted:
+        return cells
+    have = {c.cfg.run_id for c in cells}
+    more = exp.build(dataclasses.replace(opts, seeds=MAX_SEEDS, extend=()))
+    return cells + [c for c in more if c.cfg.run_id not in have
+                    and any((c.row, column_label(c.col, ev.name)) in wanted for ev in c.evals)]
+
+
+def claim_tables(source, exps) -> dict[str, dict[tuple, object]]:
+    """The tables the claims read (as ``load_tables`` gives them), computed from the source's runs
+    without writing a report: the experiments whose cells are training rows (``report.aggregate``)."""
+    from .report import aggregate, collect
+    read = {c.experiment for cl in CLAIMS for c in (*cl.conditions, *cl.valid_if)}
+    out = {}
+    for exp, cells in exps:
+        if exp.name in read and exp.analysis is None:
+            t = _table(aggregate(collect(source, cells)).to_dict("records"))
+            if t:
+                out[exp.name] = t
+    return out
+
+
+def more_seeds(tables) -> tuple[tuple[str, str, str], ...]:
+    """The cells (experiment, row, column) to run on ``MAX_SEEDS`` seeds: those read by a condition
+    whose interval straddles its threshold (undecided) on fewer seeds, and the cell it is compared
+    with. One step, decided on the paper's seed counts alone, so the rule cannot be steered by looking
+    at the added seeds; sorted, so the same tables give the same extension."""
+    out = set()
+    for cl in CLAIMS:
+        for c in cl.conditions:
+            e = c.evaluate(tables)
+            if e is None or e["ok"] != "undecided" or e["point"] or not e["n"] or min(e["n"]) >= MAX_SEEDS:
+                continue
+            out.add((c.experiment, c.row, c.column))
+            if c.other:
+                out.add((c.experiment, *c.other))
+    return tuple(sorted(out))
 
 
 def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=(), on_report=None, bundle=None,
@@ -250,7 +311,7 @@ def _report_one(spec: tuple[str, str], name: str, opts, plugins: tuple, out_dir:
     for f in plugins:
         load_plugin(f)
     exp = get_experiment(name)
-    _write_one(_open_source(spec), exp, exp.build(opts), out_dir, bundle, exploratory, write_report)
+    _write_one(_open_source(spec), exp, build_cells(exp, opts), out_dir, bundle, exploratory, write_report)
     return started, time.perf_counter() - t0
 
 

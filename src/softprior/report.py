@@ -111,7 +111,8 @@ def task_ceiling(task_cfg) -> float:
     return float(task.bayes_accuracy()[0]) if hasattr(task, "bayes_accuracy") else math.nan
 
 
-def _label(col: str, ev: str) -> str:
+def column_label(col: str, ev: str) -> str:
+    """A table's column: the cell's column and the evaluation's name ("base zero", or "zero")."""
     return f"{col} {ev}".strip()
 
 
@@ -121,7 +122,7 @@ def aggregate(long):
     cols = ["row", "column", "metric", "mean", "std", "n", "values", "ceiling"]
     if long.empty:
         return pd.DataFrame(columns=cols)
-    long = long.assign(column=[_label(c, e) for c, e in zip(long["col"], long["eval"])])
+    long = long.assign(column=[column_label(c, e) for c, e in zip(long["col"], long["eval"])])
     if "ceiling" not in long:
         long = long.assign(ceiling=float("nan"))
     g = long.groupby(["row", "column"], sort=False)
@@ -189,7 +190,7 @@ def _per_seed(long) -> dict[tuple[str, str], list[float]]:
         return {}
     out: dict[tuple[str, str], list[float]] = {}
     for r, c, e, v in long.sort_values("seed", kind="stable")[["row", "col", "eval", "value"]].itertuples(index=False):
-        out.setdefault((r, _label(c, e)), []).append(float(v))
+        out.setdefault((r, column_label(c, e)), []).append(float(v))
     return out
 
 
@@ -213,7 +214,7 @@ def chance_levels(store: RunStore, cells: list[Cell]) -> dict[tuple[str, str], f
                 level = ask(store, "chance", {"task": cell.cfg.task.model_dump(mode="json"), "length": ev.length},
                             chance_at)
             if level is not None:
-                out.setdefault((cell.row, _label(cell.col, ev.name)), float(level))
+                out.setdefault((cell.row, column_label(cell.col, ev.name)), float(level))
     return out
 
 
