@@ -252,13 +252,40 @@ def _ray_job_processes(psutil) -> list:
     return out
 
 
+def _sweep_with_a_worker_killed_mid_group(root, cfgs, groups, find_workers, kill, **kwargs):
+    """Run ``execute(cfgs, RunStore(root), **kwargs)`` while a thread waits until every group of
+    ``groups`` has checkpointed mid-training and ``find_workers()`` lists two job processes, then kills the
+    first with ``kill``. Returns (the sweep's report, what was killed: [(pid, steps)])."""
+    import threading
+
+    from softprior.store.files import RunFiles
+    killed, stop = [], threading.Event()
+
+    def kill_a_worker_mid_group():
+        files, deadline = RunFiles(root), time.time() + 120
+        while not stop.is_set() and time.time() < deadline:
+            steps = [ck["meta"]["step"] if ck else 0 for ck in (files.load_group_checkpoint(g) for g in groups)]
+            procs = find_workers()
+            if all(60 <= s < 250 for s in steps) and len(procs) == 2:  # both groups mid-training, checkpointed
+                killed.append((kill(procs[0]), steps))
+                return
+            time.sleep(0.02)
+    killer = threading.Thread(target=kill_a_worker_mid_group, daemon=True)
+    killer.start()
+    try:
+        report = execute(cfgs, RunStore(root), group_size=2, require_calibration=False, checkpoint_seconds=0.05,
+                         **kwargs)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no worker was killed mid-group (the groups trained too fast or never checkpointed)"
+    return report, killed
+
+
 def test_a_ray_sweep_survives_a_worker_killed_mid_group(tmp_path, ray_cluster):
     """SIGKILL the Ray worker of a group while it trains: Ray runs the job again (``RAY_MAX_RETRIES``;
     with retries off its runs fail and this test does), the retry resumes from the group's checkpoint,
     and the sweep ends with every run stored once and the bits of a local sweep on the same configs."""
-    import threading
-
-    from softprior.store.files import RunFiles
     psutil = pytest.importorskip("psutil")
     import softprior.executors as ex
     cfgs = [tiny_config(path=p, seed=s, steps=300, eval_every=50)
@@ -270,27 +297,12 @@ def test_a_ray_sweep_survives_a_worker_killed_mid_group(tmp_path, ray_cluster):
     assert execute(cfgs, local, group_size=2, progress=False, require_calibration=False).trained == 4
 
     root = tmp_path / "ray"
-    killed, stop = [], threading.Event()
 
-    def kill_a_worker_mid_group():
-        files, deadline = RunFiles(root), time.time() + 120
-        while not stop.is_set() and time.time() < deadline:
-            steps = [ck["meta"]["step"] if ck else 0 for ck in (files.load_group_checkpoint(g) for g in groups)]
-            procs = _ray_job_processes(psutil)
-            if all(60 <= s < 250 for s in steps) and len(procs) == 2:  # both groups mid-training, checkpointed
-                procs[0].send_signal(signal.SIGKILL)
-                killed.append((procs[0].pid, steps))
-                return
-            time.sleep(0.02)
-    killer = threading.Thread(target=kill_a_worker_mid_group, daemon=True)
-    killer.start()
-    try:
-        report = execute(cfgs, RunStore(root), executor="ray", workers=2, group_size=2, progress=True,
-                         require_calibration=False, checkpoint_seconds=0.05)
-    finally:
-        stop.set()
-        killer.join()
-    assert killed, "no worker was killed mid-group (the groups trained too fast or never checkpointed)"
+    def kill(proc):
+        proc.send_signal(signal.SIGKILL)
+        return proc.pid
+    report, _ = _sweep_with_a_worker_killed_mid_group(root, cfgs, groups, lambda: _ray_job_processes(psutil), kill,
+                                                      executor="ray", workers=2, progress=True)
     assert report.trained == 4 and not report.failed, report.line()
 
     store = RunStore(root)
@@ -331,9 +343,6 @@ def test_a_local_sweep_survives_a_pool_worker_killed_mid_group(tmp_path):
     again and takes both jobs again (``POOL_MAX_RETRIES``; with retries at 0 their runs fail and this
     test does), each resumes from its checkpoint, and the sweep ends with every run stored once and the
     bits of a sweep nobody killed."""
-    import threading
-
-    from softprior.store.files import RunFiles
     import softprior.executors as ex
     cfgs = [tiny_config(path=p, seed=s, steps=300, eval_every=50)
             for s, p in enumerate(["unforced", "fade600", "unforced", "fade600"])]
@@ -343,27 +352,12 @@ def test_a_local_sweep_survives_a_pool_worker_killed_mid_group(tmp_path):
     assert execute(cfgs, clean, group_size=2, progress=False, require_calibration=False).trained == 4
 
     root = tmp_path / "killed"
-    killed, stop = [], threading.Event()
 
-    def kill_a_worker_mid_group():
-        files, deadline = RunFiles(root), time.time() + 120
-        while not stop.is_set() and time.time() < deadline:
-            steps = [ck["meta"]["step"] if ck else 0 for ck in (files.load_group_checkpoint(g) for g in groups)]
-            pids = _pool_workers()
-            if all(60 <= s < 250 for s in steps) and len(pids) == 2:  # both groups mid-training, checkpointed
-                os.kill(pids[0], signal.SIGKILL)
-                killed.append((pids[0], steps))
-                return
-            time.sleep(0.02)
-    killer = threading.Thread(target=kill_a_worker_mid_group, daemon=True)
-    killer.start()
-    try:
-        report = execute(cfgs, RunStore(root), workers=2, group_size=2, progress=False,
-                         require_calibration=False, checkpoint_seconds=0.05)
-    finally:
-        stop.set()
-        killer.join()
-    assert killed, "no worker was killed mid-group (the groups trained too fast or never checkpointed)"
+    def kill(pid):
+        os.kill(pid, signal.SIGKILL)
+        return pid
+    report, _ = _sweep_with_a_worker_killed_mid_group(root, cfgs, groups, _pool_workers, kill, workers=2,
+                                                      progress=False)
     assert report.trained == 4 and not report.failed, report.line()
     store = RunStore(root)
     assert len(store.rows()) == 4 and all(r["status"] == "done" for r in store.rows())
