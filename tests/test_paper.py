@@ -163,6 +163,12 @@ def test_verdict_table_follows_the_store(tmp_path):
              for c in cells if c.row in ("fade600", "forced_zero")]
     assert not execute([c.cfg for c in cells], store, progress=False).failed
     write_report(store, exp, cells, tmp_path / "results" / "removability")
+    # the tables the more-seeds rule reads straight from the store are the report's, to its 6 digits
+    from softprior.paper import claim_tables
+    direct, written = claim_tables(store, [(exp, cells)])["removability"], load_tables(tmp_path / "results")["removability"]
+    assert set(direct) == set(written)
+    for k, v in written.items():
+        assert direct[k] == pytest.approx(v, rel=1e-5, nan_ok=True), k
     before = dict((cl.name, v) for cl, v, _ in verdicts(load_tables(tmp_path / "results")))
     assert before["fade keeps (base)"] in ("not reproduced", "inconclusive (0 of 1 conditions hold, 1 undecided)")
     import sqlite3
