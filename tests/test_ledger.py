@@ -93,6 +93,11 @@ def test_report_timings_sums_the_ledger_against_the_floor(tmp_path, capsys, monk
     assert t["ratio"] == pytest.approx(t["wall_seconds"] / (flop / 50e9), rel=1e-12)
     assert [c["seconds"] for c in t["costliest"]] == sorted((r["seconds"] for r in jobs), reverse=True)
     assert t["costliest"][0]["gflops"] == pytest.approx(jobs[0]["flop"] / jobs[0]["seconds"] / 1e9)
+    # where the time goes: one kind (task/size, no positional scheme), every job's seconds and FLOP
+    from softprior.model_config import size_label
+    (kind, k), = t["kinds"].items()
+    assert kind == f"{cfgs[0].task.name}/{size_label(cfgs[0].model)}" and k["runs"] == len(cfgs)
+    assert k["seconds"] == pytest.approx(t["job_seconds"]) and k["flop"] == pytest.approx(flop)
     # without --gemm-rate: the rate the sweep recorded
     assert _timings(capsys, tmp_path / "s")["gemm_gflops"] == 40.0
     assert main(["report", "timings", "--store", str(tmp_path / "s"), "--gemm-rate", "50"]) == 0
@@ -162,6 +167,30 @@ def test_pieces_on_different_days_add_and_concurrent_jobs_count_once():
     assert everything["wall_seconds"] == pytest.approx(124) and everything["flop"] == 13e9
 
 
+def test_where_the_time_goes_by_hand():
+    """Per kind of job: worker-seconds, share, GFLOP/s per worker and x floor. At a GEMM rate of 10
+    GFLOP/s and 2 workers a worker's floor rate is 5 GFLOP/s: 100 GFLOP in 40 s is 2.5 GFLOP/s, 2.0x."""
+    from softprior.bench import format_timings, ledger_summary
+
+    def job(name, sec, gflop, workers=2):
+        return {"kind": "job", "name": name, "seconds": sec, "flop": gflop * 1e9, "runs": 1, "started_at": 0.0,
+                "host": "h", "code_version": "v", "gemm_gflops": None,
+                "detail": {"pieces": [[0.0, sec]], "steps": 1, "workers": workers}}
+    rows = [job("assoc_recall/large fade s0", 30.0, 75.0), job("assoc_recall/large x2: a s0, b s1", 10.0, 25.0),
+            job("markov/base unforced s0", 60.0, 30.0, workers=1)]
+    t = ledger_summary(rows, "v", rate=10.0)
+    large, markov = t["kinds"]["assoc_recall/large"], t["kinds"]["markov/base"]
+    assert list(t["kinds"]) == ["markov/base", "assoc_recall/large"]  # costliest first
+    assert (large["jobs"], large["runs"], large["seconds"], large["flop"]) == (2, 2, 40.0, 100e9)
+    assert large["gflops"] == pytest.approx(2.5) and large["x_floor"] == pytest.approx(2.0)
+    assert large["share"] == pytest.approx(0.4) and markov["share"] == pytest.approx(0.6)
+    assert markov["x_floor"] == pytest.approx(60.0 / 3.0)  # one worker: the whole rate, 30 GFLOP in 3 s
+    text = format_timings(t)
+    assert "| assoc_recall/large | 2 | 2 | 40 | 40.0% | 0.1 | 2.5 | 2.00 |" in text
+    by_scheme = ledger_summary(rows, "v", rate=10.0, kind_of=lambda r: r["name"].split()[1])
+    assert set(by_scheme["kinds"]) == {"fade", "x2:", "unforced"}
+
+
 def test_reports_are_recorded_and_only_this_code_version_is_summed(tmp_path, capsys):
     store = RunStore(tmp_path / "s")
     _record_report(store, "removability", 1000.0, 2.5, 9)
@@ -173,6 +202,10 @@ def test_reports_are_recorded_and_only_this_code_version_is_summed(tmp_path, cap
     t = _timings(capsys, tmp_path / "s", "--gemm-rate", "100")
     assert (t["rows"], t["rows_other_versions"], t["flop"], t["report_seconds"]) == (1, 1, 0.0, 2.5)
     assert t["ratio"] is None  # nothing trained
+    old = _timings(capsys, tmp_path / "s", "--gemm-rate", "100", "--code-version", "0.0.1@0123456789ab")
+    assert (old["rows"], old["flop"], old["code_version"]) == (1, 1e12, "0.0.1@0123456789ab")
+    assert main(["report", "timings", "--store", str(tmp_path / "s"), "--code-version", "nope"]) == 2
+    assert "no row of it" in capsys.readouterr().err
     t = _timings(capsys, tmp_path / "s", "--gemm-rate", "100", "--all-versions")
     assert t["rows"] == 2 and t["flop"] == 1e12 and t["ratio"] == pytest.approx(52.5 / 10.0)
 

@@ -35,8 +35,13 @@ def _union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def job_kind(row: dict) -> str:
+    """A job's kind for ``ledger_summary``'s breakdown: its name's first word ("assoc_recall/large")."""
+    return row["name"].split(" ", 1)[0]
+
+
 def ledger_summary(rows: list[dict], code_version: str | None = None, rate: float | None = None,
-                   top: int = 10) -> dict:
+                   top: int = 10, kind_of=job_kind) -> dict:
     """What ``softprior report timings`` prints, from a store's time ledger (``RunStore.ledger``).
 
     ``code_version``: count only the rows of that code (``provenance.code_version``; None: all).
@@ -44,7 +49,11 @@ def ledger_summary(rows: list[dict], code_version: str | None = None, rate: floa
     job's pieces, report and sweep, so pieces run on different days add up and jobs that ran at once
     (``--workers 2``) count once; ``job_seconds`` is their plain sum (worker-seconds). The floor is
     the FLOP trained at the GEMM rate ``rate`` (GFLOP/s; default: the fastest the ledger's sweeps
-    measured, else ``gemm_rate()`` now), and ``ratio`` = wall_seconds / floor_seconds."""
+    measured, else ``gemm_rate()`` now), and ``ratio`` = wall_seconds / floor_seconds.
+
+    ``kinds``: where the time goes, per kind of job (``kind_of(row)``; by default task/size): jobs, runs,
+    worker-seconds and their share, FLOP, GFLOP/s per worker, and ``x_floor``, its worker-seconds
+    against its FLOP at a worker's share of the GEMM rate (``rate`` / the sweep's workers)."""
     counted = [r for r in rows if code_version is None or r.get("code_version") == code_version]
     others = sorted({r.get("code_version") or "?" for r in rows
                      if code_version is not None and r.get("code_version") != code_version})
@@ -71,13 +80,27 @@ def ledger_summary(rows: list[dict], code_version: str | None = None, rate: floa
               "pieces": len(r["detail"].get("pieces") or [()]), "status": r["detail"].get("status", "ok"),
               "host": r["host"], "started_at": r["started_at"], "code_version": r.get("code_version")}
              for r in sorted(jobs, key=lambda r: r["seconds"], reverse=True)[:top]]
+    kinds: dict[str, dict] = {}
+    for r in jobs:
+        k = kinds.setdefault(kind_of(r), {"jobs": 0, "runs": 0, "seconds": 0.0, "flop": 0.0, "floor_seconds": 0.0})
+        k["jobs"] += 1
+        k["runs"] += r["runs"]
+        k["seconds"] += r["seconds"]
+        k["flop"] += r["flop"]
+        if rate:
+            k["floor_seconds"] += r["flop"] / (rate * 1e9 / max(1, int(r["detail"].get("workers") or 1)))
+    for k in kinds.values():
+        k["share"] = k["seconds"] / per_kind["job"] if per_kind["job"] > 0 else None
+        k["gflops"] = k["flop"] / k["seconds"] / 1e9 if k["seconds"] > 0 else None
+        k["x_floor"] = k["seconds"] / k["floor_seconds"] if k["floor_seconds"] > 0 else None
+    kinds = dict(sorted(kinds.items(), key=lambda kv: -kv[1]["seconds"]))
     return {"code_version": code_version or "all", "rows": len(counted), "rows_other_versions": len(rows) - len(counted),
             "other_versions": others, "jobs": len(jobs), "reports": sum(r["kind"] == "report" for r in counted),
             "sweeps": sum(r["kind"] == "sweep" for r in counted), "runs": sum(r["runs"] for r in jobs),
             "run_steps": sum(r["detail"].get("steps") or 0 for r in jobs), "wall_seconds": wall,
             "job_seconds": per_kind["job"], "report_seconds": per_kind["report"], "sweep_seconds": per_kind["sweep"],
             "flop": flop, "gemm_gflops": rate, "gemm_source": source, "floor_seconds": floor,
-            "ratio": wall / floor if floor > 0 else None, "costliest": cells}
+            "ratio": wall / floor if floor > 0 else None, "costliest": cells, "kinds": kinds}
 
 
 def _secs(x: float) -> str:
@@ -112,6 +135,15 @@ def format_timings(t: dict) -> str:
     if t["gemm_gflops"]:
         lines.append(f"floor: {_secs(t['floor_seconds'])}: that FLOP at {t['gemm_gflops']:.1f} GFLOP/s, "
                      f"{t['gemm_source']}")
+    if t.get("kinds"):
+        lines += ["", "where the time goes (x floor: a kind's worker-seconds against its FLOP at one worker's share "
+                  "of the GEMM rate):", "| kind | jobs | runs | worker-seconds | share | TFLOP | GFLOP/s per worker | "
+                  "x floor |", "|---|---|---|---|---|---|---|---|"]
+        for name, k in t["kinds"].items():
+            lines.append(f"| {name} | {k['jobs']} | {k['runs']} | {k['seconds']:,.0f} | "
+                         f"{'-' if k['share'] is None else format(k['share'], '.1%')} | {k['flop'] / 1e12:,.1f} | "
+                         f"{'-' if k['gflops'] is None else format(k['gflops'], '.1f')} | "
+                         f"{'-' if k['x_floor'] is None else format(k['x_floor'], '.2f')} |")
     if t["costliest"]:
         lines += ["", f"the {len(t['costliest'])} costliest jobs:", "| job | runs | run-steps | seconds | GFLOP | "
                   "GFLOP/s | pieces |", "|---|---|---|---|---|---|---|"]

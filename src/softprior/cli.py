@@ -594,16 +594,32 @@ def cmd_report(args) -> int:
 def cmd_report_timings(args) -> int:
     """``report timings``: the store's time ledger (``bench.ledger_summary``): the paper's wall time, its
     FLOP, the floor at the GEMM rate and the ratio, and the costliest jobs; by default only the rows of
-    the code version this checkout is (``provenance.code_version``), all with --all-versions."""
+    the code version this checkout is (``provenance.code_version``), another with --code-version, all with
+    --all-versions; and where the time goes, per kind of job (task/size and positional scheme)."""
     if args.gemm_rate is not None and not args.gemm_rate > 0:
         raise CliError(f"--gemm-rate must be a positive number of GFLOP/s, got {args.gemm_rate}")
     if args.top < 0:
         raise CliError(f"--top must be >= 0, got {args.top}")
-    from .bench import format_timings, ledger_summary
+    if args.all_versions and args.code_version:
+        raise CliError("--all-versions and --code-version contradict each other: give one")
+    from .bench import format_timings, job_kind, ledger_summary
     from .provenance import code_version, provenance
-    rows = _store(args, read_only=True).ledger()
-    t = ledger_summary(rows, None if args.all_versions else code_version(provenance()), rate=args.gemm_rate,
-                       top=args.top)
+    from .store import StoreError
+    store = _store(args, read_only=True)
+    rows = store.ledger()
+    if args.code_version and not any(r.get("code_version") == args.code_version for r in rows):
+        known = sorted({r.get("code_version") or "?" for r in rows})
+        raise CliError(f"--code-version {args.code_version!r}: the time ledger has no row of it; it has "
+                       f"{', '.join(known) or 'no rows'}")
+
+    def kind_of(row) -> str:  # task/size, and the positional scheme where there is one (from the run's config)
+        try:
+            pos = store.load_config(row["detail"]["run_ids"][0]).model.positional
+        except (StoreError, KeyError, IndexError, OSError, ValueError):
+            return job_kind(row)
+        return job_kind(row) + ("" if pos in (None, "none") else f" {pos}")
+    version = None if args.all_versions else args.code_version or code_version(provenance())
+    t = ledger_summary(rows, version, rate=args.gemm_rate, top=args.top, kind_of=kind_of)
     t["store"] = str(args.store)
     print(json.dumps(t, sort_keys=True) if args.json else format_timings(t))
     return 0
@@ -782,6 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "of the floor (default: the fastest the ledger's sweeps measured, else measured now)")
             r.add_argument("--all-versions", action="store_true", help="timings: count the rows of every code "
                            "version (default: only this checkout's, provenance.code_version)")
+            r.add_argument("--code-version", default=None, metavar="VERSION", help="timings: count the rows of "
+                           "this code version (as the ledger names it, e.g. 0.1.0@1a7f242198ad) instead of this "
+                           "checkout's")
             r.add_argument("--top", type=int, default=10, help="timings: the costliest jobs listed")
         if name == "reproduce":
             r.add_argument("--executor", default="local", choices=["local", "ray"])
