@@ -199,6 +199,68 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
     assert rec.name in err and "edited after it was written" in err and len(err.strip().splitlines()) == 1
 
 
+# an experiment whose seed count follows the options (so more seeds can be asked of it)
+PLUGIN_SEEDS = """
+from softprior.cells import Cell
+from softprior.config import make_run_config
+from softprior.experiments import Experiment, register_experiment
+
+def cells(o):
+    return [Cell(make_run_config('assoc_recall', path, seed, steps=12, eval_every=6, n_val=32, batch_size=8,
+                                 calibrated=False), row=path)
+            for path in ('unforced', 'forced_zero') for seed in range(o.n_seeds(2))]
+
+register_experiment(Experiment('seeds_table', 'more-seeds test', cells, curves=False), overwrite=True)
+"""
+
+
+def test_undecided_cells_get_more_seeds_and_the_bundle_rebuilds_them(tmp_path, monkeypatch, capsys):
+    """``reproduce paper`` at the paper's seed counts: the cells ``paper.more_seeds`` names (forced here;
+    the rule itself is tested by hand in test_paper.py), decided on the paper's seeds, are trained on
+    seeds up to ``MAX_SEEDS``, and only those; their table counts every seed; the manifest records the
+    list, so with the store deleted the bundle rebuilds the same cells and documents, without deciding
+    again."""
+    from softprior import paper
+    from softprior.experiments import load_plugin
+    from softprior.store import RunStore
+    _code(monkeypatch, "0123456789ab")
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(PLUGIN_SEEDS)
+    load_plugin(str(plugin))
+    monkeypatch.setattr(paper, "PAPER", ["seeds_table"])
+    monkeypatch.setattr(paper, "OURS", [])
+    monkeypatch.setattr(paper, "CALIBRATION_SPACES", ())
+    monkeypatch.setattr(paper, "MAX_SEEDS", 4)
+    monkeypatch.setattr(paper, "CLAIMS", [paper.PaperClaim("t", "a claim on the plugin's table", "-", (
+        paper.Cond("seeds_table", "forced_zero", "zero", "<=", 0.15),))])  # the tables the rule is given
+    asked = []
+
+    def more(tables):
+        asked.append(tables["seeds_table"][("forced_zero", "zero", "n")])
+        return (("seeds_table", "forced_zero", "zero"),)
+    monkeypatch.setattr(paper, "more_seeds", more)
+    a = tmp_path / "a"
+    _docs(a)
+    store = tmp_path / "store"
+    assert main(["reproduce", "paper", "--store", str(store), "--out", str(a / "results"), "--doc",
+                 str(a / "RESULTS.md"), "--readme", str(a / "README.md"), "--plugin", str(plugin),
+                 "--no-progress"]) == 0, capsys.readouterr().err
+    assert "1 cell(s) undecided at the paper's seed counts" in capsys.readouterr().err
+    assert asked == [2.0]  # decided on the paper's two seeds
+    rows = RunStore(store).rows()
+    assert sorted((r["path"], r["seed"]) for r in rows) == [("forced_zero", s) for s in range(4)] + \
+        [("unforced", 0), ("unforced", 1)]
+    table = (a / "results" / "seeds_table" / "table.csv").read_text()
+    assert [line.split(",")[5] for line in table.splitlines()[1:]] == ["2", "2", "4", "4"]  # n per cell
+    manifest = json.loads((a / "results" / "bundle" / "manifest.json").read_text())
+    assert manifest["options"]["extend"] == [["seeds_table", "forced_zero", "zero"]]
+
+    shutil.rmtree(store)
+    monkeypatch.setattr(paper, "more_seeds", lambda tables: pytest.fail("a bundle does not decide again"))
+    diff, _ = _regenerate(a / "results", a, tmp_path / "b", "--plugin", str(plugin))
+    assert diff == []
+
+
 def test_a_dirty_run_enters_only_a_table_marked_exploratory(tmp_path, monkeypatch, capsys):
     """A run whose summary's code version ends in '+dirty' is refused by every table (one line naming
     it, exit 2, nothing written) unless --exploratory, which marks the table and the bundle; the bundle
