@@ -254,7 +254,12 @@ def test_undecided_cells_get_more_seeds_and_the_bundle_rebuilds_them(tmp_path, m
     assert [line.split(",")[5] for line in table.splitlines()[1:]] == ["2", "2", "4", "4"]  # n per cell
     manifest = json.loads((a / "results" / "bundle" / "manifest.json").read_text())
     assert manifest["options"]["extend"] == [["seeds_table", "forced_zero", "zero"]]
+    assert manifest["options"]["extend_seeds"] == 4
 
+    monkeypatch.setattr(paper, "more_seeds", lambda tables: pytest.fail("--seeds and --quick choose their own"))
+    for flags in (["--seeds", "2"], ["--quick"]):
+        assert main(["report", "paper", "--store", str(store), "--out", str(tmp_path / flags[-1]), "--plugin",
+                     str(plugin)] + flags) == 0
     shutil.rmtree(store)
     monkeypatch.setattr(paper, "more_seeds", lambda tables: pytest.fail("a bundle does not decide again"))
     diff, _ = _regenerate(a / "results", a, tmp_path / "b", "--plugin", str(plugin))

@@ -357,7 +357,7 @@ def test_a_local_sweep_survives_a_pool_worker_killed_mid_group(tmp_path):
         os.kill(pid, signal.SIGKILL)
         return pid
     report, _ = _sweep_with_a_worker_killed_mid_group(root, cfgs, groups, _pool_workers, kill, workers=2,
-                                                      progress=False)
+                                                      progress=True)  # the progress queue restarts too
     assert report.trained == 4 and not report.failed, report.line()
     store = RunStore(root)
     assert len(store.rows()) == 4 and all(r["status"] == "done" for r in store.rows())

@@ -237,20 +237,24 @@ def test_rebuild_reindexes_a_run_whose_checksum_rows_alone_were_lost(filled):
     assert verify_store(store.root).healthy
 
 
-def test_rebuild_carries_the_time_ledger_over(filled):
-    """The time ledger's rows that can still be read from a damaged index are appended to the rebuilt
-    one as they were (kind, times, FLOP, detail, order), so a repaired store's `report timings` still
-    counts the work it holds."""
-    from softprior.store.integrity import _read_index, _read_ledger, _rebuild_index
+def test_rebuild_carries_the_time_ledger_over(filled, capsys):
+    """A damaged index whose time ledger can still be read (here its runs table is gone): `store verify
+    --repair` rebuilds it and appends those ledger rows as they were (kind, times, FLOP, detail, order),
+    so a repaired store's `report timings` still counts the work it holds."""
+    from softprior.store.integrity import _read_ledger
     store, cfgs, held = filled
     store.index.record_timing("job", "a job", 20.0, flop=3e12, runs=2, code_version="v", gemm_gflops=300.0)
     store.index.record_timing("report", "by hand", 1.5, created=123.0, started_at=121.5, detail={"x": [1, 2]})
     before = store.ledger()
     assert [r["name"] for r in before] == ["a job", "by hand"]
-    _, sums, _, _ = _read_index(store.root / "index.sqlite")
-    rows = _read_ledger(store.root / "index.sqlite")
-    _rebuild_index(store.root, sums, "test", ledger=rows)
-    after = RunStore(store.root).ledger()
+    with sqlite3.connect(store.root / "index.sqlite") as db:
+        db.execute("DROP TABLE runs")
+    assert verify_store(store.root).index_damaged
+    rc, out, _ = _cli(capsys, "store", "verify", "--repair", "--store", str(store.root))
+    assert rc == 0 and "index rebuilt" in out and "is healthy" in out
+    fresh = RunStore(store.root)
+    _intact(fresh, held)
+    after = fresh.ledger()
     assert [{k: v for k, v in r.items() if k != "id"} for r in after] == \
         [{k: v for k, v in r.items() if k != "id"} for r in before]
     assert after[-1]["created"] == 123.0 and after[-1]["detail"] == {"x": [1, 2]}

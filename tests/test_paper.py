@@ -90,6 +90,11 @@ def test_undecided_cells_and_only_those_get_more_seeds():
     assert more_seeds(tables) == (("causal_controls", "forced_zero", "zero"),
                                   ("markov_paths", "fade600", "p=0.2 zero"),
                                   ("markov_paths", "forced_zero", "p=0.2 zero"))
+    # a cell compared with an extended one is extended too, so a paired difference stays paired: the
+    # switch's ">= .15" is undecided, its difference with the fade is decided, both cells get seeds
+    pair = _seeded({("causal_controls", "hard_switch1050", "zero"): [0.10, 0.15, 0.20, 0.12, 0.18],
+                    ("causal_controls", "fade600", "zero"): [0.70, 0.72, 0.71, 0.73, 0.70]})
+    assert more_seeds(pair) == (("causal_controls", "fade600", "zero"), ("causal_controls", "hard_switch1050", "zero"))
     ten = _seeded({("causal_controls", "forced_zero", "zero"): [0.10, 0.15, 0.20, 0.12, 0.18] * 2})
     assert len(ten["causal_controls"][("forced_zero", "zero", "values")]) == MAX_SEEDS
     assert more_seeds(ten) == ()
@@ -114,6 +119,17 @@ def test_extended_cells_are_the_same_configurations_at_further_seeds():
         assert c.cfg.model_copy(update={"seed": twin.cfg.seed}).run_id == twin.cfg.run_id
     assert [c.cfg.run_id for c in build_cells(exp, Options(extend=(("paths", "fade600", "base zero"),)))] == \
         [c.cfg.run_id for c in base]
+    # a column of one model of two (Table 1's large fade), and a derived run (post hoc, from its unforced parent)
+    paths = get_experiment("paths")
+    extra = build_cells(paths, Options(extend=(("paths", "fade600", "large zero"),)))[len(paths.build(Options())):]
+    assert {(c.row, c.col) for c in extra} == {("fade600", "large")} and sorted(c.cfg.seed for c in extra) == \
+        list(range(5, MAX_SEEDS))
+    causal = get_experiment("causal_controls")
+    extra = build_cells(causal, Options(extend=(("causal_controls", "posthoc", "zero"),)))[len(causal.build(Options())):]
+    assert [c.row for c in extra] == ["posthoc"] * (MAX_SEEDS - 5)
+    assert all(c.cfg.parent() is not None and c.cfg.parent().seed == c.cfg.seed for c in extra)
+    assert len(build_cells(exp, Options(extend=(("markov_paths", "fade600", "p=0.2 zero"),), extend_seeds=4))) == \
+        len(base) + 1  # the seed count the bundle recorded
 
 
 def test_the_paper_command_extends_undecided_cells_before_calling_them(monkeypatch):
@@ -134,10 +150,14 @@ def test_the_paper_command_extends_undecided_cells_before_calling_them(monkeypat
     class Store:
         def is_done(self, run_id):
             return run_id in done
-    done = set()
+    paper_runs = {c.cfg.run_id for c in exps[0][1]}
+    done = paper_runs - {exps[0][1][0].cfg.run_id}
+    assert _more_seeds(Store(), Options(), names, exps) == (Options(), exps, [])  # a paper run missing: not yet
+    assert seen == []
+    done = set(paper_runs)
     opts, wider, more = _more_seeds(Store(), Options(), names, exps)
     assert seen == [[len(exps[0][1])]]  # decided on the paper's cells alone
-    assert opts.extend == (("causal_controls", "forced_zero", "zero"),)
+    assert opts.extend == (("causal_controls", "forced_zero", "zero"),) and opts.extend_seeds == paper.MAX_SEEDS
     assert len(more) == paper.MAX_SEEDS - 5 and {c.path.name for c in more} == {"forced_zero"}
     assert len(wider[0][1]) == len(exps[0][1]) + len(more)
     done.add(more[0].run_id)  # a run stored already is not trained again

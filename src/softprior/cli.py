@@ -318,7 +318,7 @@ def _from_bundle(args):
     m = source.manifest
     o = m["options"]
     opts = Options(seeds=o["seeds"], quick=o["quick"], tasks=tuple(o["tasks"]) if o["tasks"] is not None else None,
-                   extend=tuple(tuple(x) for x in o.get("extend", ())))
+                   extend=tuple(tuple(x) for x in o.get("extend", ())), extend_seeds=o.get("extend_seeds"))
     given = {"--seeds": (args.seeds, opts.seeds), "--tasks": (args.tasks and tuple(
         t.strip() for t in args.tasks.split(",")), opts.tasks), "--quick": (args.quick or None, opts.quick or None)}
     for flag, (mine, theirs) in given.items():
@@ -388,6 +388,10 @@ def _paper(args, train: bool) -> int:
         failed = len(report.failed)
     if not getattr(args, "from_bundle", None) and opts.seeds is None and not opts.quick:
         opts, exps, more = _more_seeds(store, opts, names, exps)
+        missing = None if opts.extend else sum(not store.is_done(c.cfg.run_id) for _, cells in exps for c in cells)
+        if missing:
+            print(f"paper: {missing} run(s) of the paper's seeds are not stored, so no cell is given more seeds yet "
+                  "(decided once they all are)", file=sys.stderr)
         if more and train:
             from .executors import execute
             _refuse_dirty_training(more, store, exploratory)
@@ -421,7 +425,7 @@ def _paper(args, train: bool) -> int:
             return Path(os.path.relpath(Path(p).resolve(), out.resolve())).as_posix() if p else None
         writer.finish({"options": {"seeds": opts.seeds, "quick": opts.quick,
                                    "tasks": list(opts.tasks) if opts.tasks is not None else None,
-                                   "extend": [list(x) for x in opts.extend]},
+                                   "extend": [list(x) for x in opts.extend], "extend_seeds": opts.extend_seeds},
                        "experiments": [e.name for e, _ in exps], "spaces": [{"name": s} for s in written],
                        "exploratory": bool(exploratory),
                        "docs": {"results": rel(doc), "readme": rel(readme), "calibration": rel(cal_doc) if written
@@ -434,15 +438,19 @@ def _paper(args, train: bool) -> int:
 
 def _more_seeds(store, opts, names, exps):
     """At the paper's seed counts: the cells whose condition is undecided there (``paper.more_seeds``,
-    decided on those seeds' runs alone) get seeds up to ``paper.MAX_SEEDS``. Returns the options with
-    the extension, their (experiment, cells), and the added runs not yet in ``store``."""
+    decided on those seeds' runs alone, and only once every one of them is stored, so that a partly
+    trained store cannot decide otherwise than the finished one) get seeds up to ``paper.MAX_SEEDS``.
+    Returns the options with the extension, their (experiment, cells), and the added runs not yet in
+    ``store``."""
     import dataclasses
 
-    from .paper import claim_tables, more_seeds, paper_cells
+    from .paper import MAX_SEEDS, claim_tables, more_seeds, paper_cells
+    if not all(store.is_done(c.cfg.run_id) for _, cells in exps for c in cells):
+        return opts, exps, []
     extend = more_seeds(claim_tables(store, exps))
     if not extend:
         return opts, exps, []
-    opts = dataclasses.replace(opts, extend=extend)
+    opts = dataclasses.replace(opts, extend=extend, extend_seeds=MAX_SEEDS)
     wider = paper_cells(opts, names)
     have = {c.cfg.run_id for _, cells in exps for c in cells}
     more = list({c.cfg.run_id: c.cfg for _, cells in wider for c in cells

@@ -288,6 +288,7 @@ _QUEUE = None  # in a pool worker: the queue to the driver's progress bar (``_Po
 def _pool_worker_init(q) -> None:
     global _QUEUE
     _QUEUE = q
+    q.cancel_join_thread()  # progress is best effort: a worker exits without waiting to flush it
 
 
 def _to_queue(job, step: int, started: bool = False) -> None:
@@ -324,16 +325,22 @@ class _Pool:
         self.ctx = mp.get_context("spawn")
         self.workers = workers
         self.threads = max(1, (os.cpu_count() or 1) // workers)
-        self.queue = self.ctx.Queue() if progress else None  # handed to each worker as it starts
+        self.progress, self.queue = progress, None  # the queue: handed to each worker as it starts
         self.futs = {}
         self.ck = (checkpoints, checkpoint_seconds)
         self.generation, self.ex = 0, None
         self._start()
 
     def _start(self):
+        """A new pool, and a new progress queue: a worker killed while writing to the old one may have
+        left it locked or holding half a message."""
         from concurrent.futures import ProcessPoolExecutor
         if self.ex is not None:
             self.ex.shutdown(wait=False, cancel_futures=True)
+        if self.queue is not None:
+            self.queue.cancel_join_thread()
+            self.queue.close()
+        self.queue = self.ctx.Queue() if self.progress else None
         self.ex = ProcessPoolExecutor(max_workers=self.workers, mp_context=self.ctx,
                                       **({"initializer": _pool_worker_init, "initargs": (self.queue,)}
                                          if self.queue is not None else {}))
@@ -379,7 +386,9 @@ class _Pool:
         while self.queue is not None:
             try:
                 out.append(self.queue.get_nowait())
-            except (queue.Empty, OSError, EOFError, ValueError):
+            except queue.Empty:
+                break
+            except Exception:  # noqa: BLE001 - a message cut short by a killed worker: progress is best effort
                 break
         return out
 

@@ -38,6 +38,7 @@ class Options:
     # (experiment, row, column) cells whose verdict was undecided at the paper's seed counts, run on
     # more seeds (``paper.more_seeds``; read by ``paper.build_cells``, not by an experiment's build)
     extend: tuple[tuple[str, str, str], ...] = ()
+    extend_seeds: int | None = None  # the seeds those cells run on (None: paper.MAX_SEEDS)
 
     def __post_init__(self):
         if self.tasks is not None:

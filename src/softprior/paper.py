@@ -110,9 +110,10 @@ interval for a mean, paired by seed for a difference between two paths, chi-squa
 lies on the other side, and is *undecided* otherwise; a claim is *reproduced* when every condition
 holds, *not reproduced* when every one fails, *inconclusive* when none fails but one is undecided,
 and *partly* otherwise. One seed gives no interval (inconclusive). Where a condition is undecided at
-the paper's seed counts (5 for the fade window and the causal controls, 3 elsewhere), the cells it
-reads are run on up to 10 seeds before the claim is called: once, decided on the paper's seeds alone
-(`paper.more_seeds`), so n beside each number says how many seeds it rests on. A table written before per-seed
+the paper's seed counts (5 for Table 1's fade and Table 2's causal controls, 3 elsewhere), the cells
+it reads, and every cell compared with them, are run on up to 10 seeds before the claim is called:
+once, decided on the paper's seeds alone (`paper.more_seeds`), so n beside each number says how many
+seeds it rests on. A table written before per-seed
 values were recorded is decided on its point values, and says so. Thresholds that mean "high
 accuracy" are shares of the task's Bayes ceiling (`x ceiling`). What the continuation view (Sec. 3.3)
 measures, and when its tangents count, is in `CONTINUATION.md`.
@@ -178,14 +179,14 @@ def paper_cells(opts, names=None):
     return [(get_experiment(n), build_cells(get_experiment(n), opts)) for n in (names or (PAPER + OURS))]
 
 
-# where a condition is undecided at the paper's seed counts (5 for the fade window and the causal
+# where a condition is undecided at the paper's seed counts (5 for Table 1's fade and Table 2's causal
 # controls, 3 elsewhere), the cells it reads are run on this many seeds before the claim is called
 MAX_SEEDS = 10
 
 
 def build_cells(exp, opts):
     """``exp``'s cells under ``opts``, plus, for each of its cells named in ``opts.extend``, the seeds
-    up to ``MAX_SEEDS`` (the same configurations at further seeds, appended after the paper's cells)."""
+    up to ``opts.extend_seeds`` (the same configurations at further seeds, after the paper's cells)."""
     import dataclasses
 
     from .report import column_label
@@ -194,7 +195,7 @@ def build_cells(exp, opts):
     if not wanted:
         return cells
     have = {c.cfg.run_id for c in cells}
-    more = exp.build(dataclasses.replace(opts, seeds=MAX_SEEDS, extend=()))
+    more = exp.build(dataclasses.replace(opts, seeds=opts.extend_seeds or MAX_SEEDS, extend=()))
     return cells + [c for c in more if c.cfg.run_id not in have
                     and any((c.row, column_label(c.col, ev.name)) in wanted for ev in c.evals)]
 
@@ -215,18 +216,26 @@ def claim_tables(source, exps) -> dict[str, dict[tuple, object]]:
 
 def more_seeds(tables) -> tuple[tuple[str, str, str], ...]:
     """The cells (experiment, row, column) to run on ``MAX_SEEDS`` seeds: those read by a condition
-    whose interval straddles its threshold (undecided) on fewer seeds, and the cell it is compared
-    with. One step, decided on the paper's seed counts alone, so the rule cannot be steered by looking
-    at the added seeds; sorted, so the same tables give the same extension."""
+    whose interval straddles its threshold (undecided) on fewer seeds, and every cell compared with an
+    extended one in any condition (so a paired difference stays paired by seed). One step, decided on
+    the paper's seed counts alone, so the rule cannot be steered by looking at the added seeds; sorted,
+    so the same tables give the same extension."""
     out = set()
-    for cl in CLAIMS:
-        for c in cl.conditions:
-            e = c.evaluate(tables)
-            if e is None or e["ok"] != "undecided" or e["point"] or not e["n"] or min(e["n"]) >= MAX_SEEDS:
-                continue
-            out.add((c.experiment, c.row, c.column))
-            if c.other:
-                out.add((c.experiment, *c.other))
+    conds = [c for cl in CLAIMS for c in cl.conditions]
+    for c in conds:
+        e = c.evaluate(tables)
+        if e is None or e["ok"] != "undecided" or e["point"] or not e["n"] or min(e["n"]) >= MAX_SEEDS:
+            continue
+        out.add((c.experiment, c.row, c.column))
+    pairs = [((c.experiment, c.row, c.column), (c.experiment, *c.other)) for c in conds if c.other]
+    grown = True
+    while grown:  # close over comparisons: a cell compared with an extended one is extended too
+        grown = False
+        for a, b in pairs:
+            for x, y in ((a, b), (b, a)):
+                if x in out and y not in out:
+                    out.add(y)
+                    grown = True
     return tuple(sorted(out))
 
 
