@@ -347,8 +347,8 @@ def _paper(args, train: bool) -> int:
     from pathlib import Path
 
     from .experiments import Options, load_plugin
-    from .paper import (CALIBRATION_SPACES, MAX_SEEDS, OURS, PAPER, paper_cells, write_calibration_docs,
-                        write_reports, write_results_doc)
+    from .paper import (CALIBRATION_SPACES, OURS, PAPER, paper_cells, write_calibration_docs, write_reports,
+                        write_results_doc)
     from .report import check_clean
     for f in args.plugin or []:
         load_plugin(f)
@@ -375,34 +375,27 @@ def _paper(args, train: bool) -> int:
         spaces = CALIBRATION_SPACES
         bundle = out / "bundle"
     failed = 0
-    if train:
+
+    def sweep(cfgs) -> int:  # one training sweep of the paper; how many runs failed
         from .executors import execute
-        cfgs = list({c.cfg.run_id: c.cfg for _, cells in exps for c in cells}.values())
-        _refuse_dirty_training(cfgs, store, exploratory)
-        print(f"paper: {len(exps)} experiments, {len(cfgs)} distinct runs, store {args.store}, executor "
-              f"{args.executor} x{args.workers}, group size {_group_shown(args, cfgs, store)}", file=sys.stderr)
         t0 = time.perf_counter()
         report = execute(cfgs, store, executor=args.executor, workers=args.workers, group_size=args.group,
                          address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
         print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-        failed = len(report.failed)
+        return len(report.failed)
+    if train:
+        cfgs = list({c.cfg.run_id: c.cfg for _, cells in exps for c in cells}.values())
+        _refuse_dirty_training(cfgs, store, exploratory)
+        print(f"paper: {len(exps)} experiments, {len(cfgs)} distinct runs, store {args.store}, executor "
+              f"{args.executor} x{args.workers}, group size {_group_shown(args, cfgs, store)}", file=sys.stderr)
+        failed = sweep(cfgs)
     if not getattr(args, "from_bundle", None) and opts.seeds is None and not opts.quick:
         opts, exps, more = _more_seeds(store, opts, names, exps)
-        missing = None if opts.extend else sum(not store.is_done(c.cfg.run_id) for _, cells in exps for c in cells)
-        if missing:
-            print(f"paper: {missing} run(s) of the paper's seeds are not stored, so no cell is given more seeds yet "
-                  "(decided once they all are)", file=sys.stderr)
         if more and train:
-            from .executors import execute
             _refuse_dirty_training(more, store, exploratory)
             print(f"paper: {len(opts.extend)} cell(s) undecided at the paper's seed counts, run on up to "
-                  f"{MAX_SEEDS} seeds: {len(more)} more runs", file=sys.stderr)
-            t0 = time.perf_counter()
-            report = execute(more, store, executor=args.executor, workers=args.workers, group_size=args.group,
-                             address=args.address, progress=not args.no_progress,
-                             require_calibration=not args.exploratory)
-            print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-            failed += len(report.failed)
+                  f"{opts.extend_seeds} seeds: {len(more)} more runs", file=sys.stderr)
+            failed += sweep(more)
     check_clean(store, exps, exploratory)  # before any file is written: every table's runs at once
     writer = None
     if bundle is not None:
@@ -441,11 +434,14 @@ def _more_seeds(store, opts, names, exps):
     decided on those seeds' runs alone, and only once every one of them is stored, so that a partly
     trained store cannot decide otherwise than the finished one) get seeds up to ``paper.MAX_SEEDS``.
     Returns the options with the extension, their (experiment, cells), and the added runs not yet in
-    ``store``."""
+    ``store``; says so when runs of the paper's seeds are missing."""
     import dataclasses
 
     from .paper import MAX_SEEDS, claim_tables, more_seeds, paper_cells
-    if not all(store.is_done(c.cfg.run_id) for _, cells in exps for c in cells):
+    missing = sum(not store.is_done(c.cfg.run_id) for _, cells in exps for c in cells)
+    if missing:
+        print(f"paper: {missing} run(s) of the paper's seeds are not stored, so no cell is given more seeds yet "
+              "(decided once they all are)", file=sys.stderr)
         return opts, exps, []
     extend = more_seeds(claim_tables(store, exps))
     if not extend:

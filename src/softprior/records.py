@@ -185,7 +185,8 @@ def shipped_records() -> dict[str, dict]:
 
 def all_shipped_records() -> list[dict]:
     """Every record the package ships: the defaults (``TASK.json``) and superseded ones (any other
-    ``*-TASK.json``: legacy-, distinct-, successor-, interleaved-), which stay registered so that the runs made under them remain reproducible. Each verified."""
+    ``*-TASK.json``: legacy-, distinct-, successor-, interleaved-), which stay registered so that the
+    runs made under them remain reproducible. Each verified."""
     return [read_record(f) for f in _shipped_files()]
 
 

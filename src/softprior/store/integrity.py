@@ -173,35 +173,30 @@ def _read_index(path: Path):
     return done, sums, ids, error
 
 
-def _read_clock(path: Path) -> dict[str, float]:
-    """The index's record sightings (hash -> first seen); empty where none can be read (a store from
-    before the clock, a damaged index)."""
-    try:
-        db = connect_read_only(path)
-    except sqlite3.Error:
-        return {}
-    try:
-        return {h: t for h, t in db.execute("SELECT hash, first_seen FROM record_sightings")}
-    except sqlite3.DatabaseError:
-        return {}
-    finally:
-        db.close()
-
-
-def _read_ledger(path: Path) -> list[dict]:
-    """The index's time-ledger rows, oldest first (``RunIndex.ledger``'s columns); empty where none can
-    be read (a store from before the ledger, a damaged index)."""
+def _read_rows(path: Path, sql: str) -> list[sqlite3.Row]:
+    """The rows of a read-only query on the index at ``path``; empty where they cannot be read (a
+    store from before the table, a damaged index)."""
     try:
         db = connect_read_only(path)
     except sqlite3.Error:
         return []
     try:
         db.row_factory = sqlite3.Row
-        return [dict(r) for r in db.execute("SELECT * FROM ledger ORDER BY id")]
+        return db.execute(sql).fetchall()
     except sqlite3.DatabaseError:
         return []
     finally:
         db.close()
+
+
+def _read_clock(path: Path) -> dict[str, float]:
+    """The index's record sightings (hash -> first seen), as far as they can be read."""
+    return {r["hash"]: r["first_seen"] for r in _read_rows(path, "SELECT hash, first_seen FROM record_sightings")}
+
+
+def _read_ledger(path: Path) -> list[dict]:
+    """The index's time-ledger rows, oldest first (``RunIndex.ledger``'s columns), as far as they can be read."""
+    return [dict(r) for r in _read_rows(path, "SELECT * FROM ledger ORDER BY id")]
 
 
 def _row_problem(rid: str, row: dict) -> str | None:
