@@ -4,6 +4,7 @@ id and file, only damaged runs re-queued, nothing else lost."""
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
 from pathlib import Path
 
@@ -244,9 +245,12 @@ def test_rebuild_carries_the_time_ledger_over(filled, capsys):
     from softprior.store.integrity import _read_ledger
     store, cfgs, held = filled
     store.index.record_timing("job", "a job", 20.0, flop=3e12, runs=2, code_version="v", gemm_gflops=300.0)
-    store.index.record_timing("report", "by hand", 1.5, created=123.0, started_at=121.5, detail={"x": [1, 2]})
+    with sqlite3.connect(store.root / "index.sqlite") as db:  # a row that names no host (an older index)
+        db.execute("INSERT INTO ledger(kind, name, seconds, flop, runs, started_at, host, code_version, gemm_gflops,"
+                   " detail, created) VALUES('report', 'by hand', 1.5, 0, 0, 121.5, NULL, NULL, NULL, ?, 123.0)",
+                   (json.dumps({"x": [1, 2]}),))
     before = store.ledger()
-    assert [r["name"] for r in before] == ["a job", "by hand"]
+    assert [r["name"] for r in before] == ["a job", "by hand"] and before[0]["host"] and before[1]["host"] is None
     with sqlite3.connect(store.root / "index.sqlite") as db:
         db.execute("DROP TABLE runs")
     assert verify_store(store.root).index_damaged
@@ -258,6 +262,7 @@ def test_rebuild_carries_the_time_ledger_over(filled, capsys):
     assert [{k: v for k, v in r.items() if k != "id"} for r in after] == \
         [{k: v for k, v in r.items() if k != "id"} for r in before]
     assert after[-1]["created"] == 123.0 and after[-1]["detail"] == {"x": [1, 2]}
+    assert after[-1]["host"] is None  # not the repairing machine's name
     assert _read_ledger(store.root / "no such index.sqlite") == []
 
 

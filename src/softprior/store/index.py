@@ -338,7 +338,8 @@ class RunIndex:
                       gemm_gflops: float | None = None, detail: dict | None = None,
                       created: float | None = None) -> None:
         """Append one row to the time ledger (never updated nor deleted: see ``ledger``); ``created``
-        is now, unless a row carried over from a damaged index (``store.integrity``) keeps its own."""
+        is now and ``host`` this machine, unless a row carried over from a damaged index
+        (``store.integrity``) keeps its own (a row that named no host names none)."""
         if kind not in LEDGER_KINDS:
             raise ValueError(f"unknown ledger kind {kind!r}; allowed: {', '.join(LEDGER_KINDS)}")
         now = time.time() if created is None else float(created)
@@ -346,7 +347,7 @@ class RunIndex:
             db.execute("INSERT INTO ledger(kind, name, seconds, flop, runs, started_at, host, code_version, gemm_gflops,"
                        " detail, created) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (kind, name, float(seconds), float(flop), int(runs), now - seconds if started_at is None
-                        else float(started_at), host or socket.gethostname(), code_version,
+                        else float(started_at), host if host or created is not None else socket.gethostname(), code_version,
                         None if gemm_gflops is None else float(gemm_gflops), json.dumps(detail or {}), now))
 
     def ledger(self) -> list[dict]:
