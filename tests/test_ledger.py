@@ -225,3 +225,19 @@ def test_the_ledger_is_append_only_and_read_where_absent(tmp_path, capsys):
     with pytest.raises(ValueError, match="kind"):
         store.record_timing("lunch", "x", 1.0)
     assert main(["report", "timings", "--store", str(tmp_path / "s"), "--gemm-rate", "0"]) == 2
+
+
+def test_where_the_time_goes_names_the_positional_scheme(tmp_path, capsys, monkeypatch):
+    """`report timings` splits the breakdown by the run's positional scheme, read from the stored
+    config: a RoPE run is its own kind beside the soft-prior runs of the same task and size."""
+    from softprior.model_config import size_label
+    monkeypatch.setenv("SOFTPRIOR_GEMM_GFLOPS", "40")
+    rope = tiny_config(path="unforced", seed=5, steps=STEPS, model_options={"prior": False, "positional": "rope"})
+    cfgs = [*_cfgs()[:2], rope]
+    store = RunStore(tmp_path / "s")
+    execute(cfgs, store, group_size=1, progress=False, require_calibration=False)
+    kinds = _timings(capsys, tmp_path / "s")["kinds"]
+    base = f"{cfgs[0].task.name}/{size_label(cfgs[0].model)}"
+    assert sorted(kinds) == [base, f"{base} rope"]
+    assert kinds[base]["runs"] == 2 and kinds[f"{base} rope"]["runs"] == 1
+    assert kinds[f"{base} rope"]["flop"] == pytest.approx(_by_hand_flops(rope) * STEPS, rel=1e-12)
