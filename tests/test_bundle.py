@@ -93,13 +93,21 @@ def _compare(committed: dict[str, str], regenerated: dict[str, str]) -> list[str
 
 def _regenerate(results: Path, root: Path, into: Path, *extra: str) -> tuple[list[str], float]:
     """``report paper --from-bundle RESULTS`` into a copy of the checkout ``root``: the documents the
-    manifest names copied with their generated blocks emptied (RESULTS.md, wholly generated, left out),
-    NOTES.md beside the tables. Returns what `git diff --exit-code` would show between the regenerated
+    manifest names copied with the generated blocks the bundle covers emptied (RESULTS.md, wholly
+    generated, left out; a calibration space's blocks kept when the bundle does not carry that space,
+    as the first round's searches in docs/CALIBRATION.md), NOTES.md beside the tables. Returns what `git diff --exit-code` would show between the regenerated
     files and ``root``'s (every document and every text file under the results), and the seconds taken."""
     import re
 
     from softprior.bundle import BundleSource
+    from softprior.paper import CALIBRATION_SPACES
     manifest = BundleSource(results).manifest
+    absent = set(CALIBRATION_SPACES) - {s["name"] for s in manifest.get("spaces", [])}
+
+    def empty(m: re.Match) -> str:
+        kind, _, space = m.group(2).partition("-")
+        kept = kind in ("calibration", "robustness") and space in absent
+        return m.group(0) if kept else m.group(1) + "(emptied)" + m.group(3)
     out = into / results.relative_to(root)
     out.mkdir(parents=True)
     docs = [(results / v).resolve() for v in manifest["docs"].values() if v]
@@ -107,8 +115,8 @@ def _regenerate(results: Path, root: Path, into: Path, *extra: str) -> tuple[lis
         dest = into / path.relative_to(root.resolve())
         dest.parent.mkdir(parents=True, exist_ok=True)
         if path.name != "RESULTS.md":
-            dest.write_text(re.sub(r"(<!-- table:(\S+) -->\n).*?(\n<!-- /table:\2 -->)", r"\1(emptied)\3",
-                                   path.read_text(), flags=re.S))
+            dest.write_text(re.sub(r"(<!-- table:(\S+) -->\n).*?(\n<!-- /table:\2 -->)", empty, path.read_text(),
+                                   flags=re.S))
     if (results / "NOTES.md").exists():
         shutil.copyfile(results / "NOTES.md", out / "NOTES.md")
     t0 = time.perf_counter()
@@ -116,7 +124,9 @@ def _regenerate(results: Path, root: Path, into: Path, *extra: str) -> tuple[lis
     seconds = time.perf_counter() - t0
     diff = [f"{p.relative_to(root.resolve())}: differs" for p in docs
             if (into / p.relative_to(root.resolve())).read_text() != p.read_text()]
-    return diff + _compare(_texts(results), _texts(out)), seconds
+    committed = {k: v for k, v in _texts(results).items()  # an absent space's outputs stay as committed
+                 if not any(k.startswith(f"calibration/{space}/") for space in absent)}
+    return diff + _compare(committed, _texts(out)), seconds
 
 
 def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tmp_path, monkeypatch, capsys):
@@ -315,12 +325,11 @@ def test_a_dirty_run_enters_only_a_table_marked_exploratory(tmp_path, monkeypatc
 def test_committed_documents_equal_what_the_committed_bundle_regenerates(tmp_path):
     """CI's check that docs/ regenerate from the repository: ``softprior report paper --from-bundle
     docs/results`` into a copy of the documents' fixed prose equals the committed RESULTS.md,
-    CALIBRATION.md, README.md and every table under docs/results (a `git diff --exit-code`), in under a
-    minute, with no store."""
+    CALIBRATION.md, README.md and every table under docs/results (a `git diff --exit-code`), with no
+    store (its time is a figure for the notes, not asserted here)."""
     results = REPO / "docs" / "results"
     if not (results / "bundle" / "manifest.json").is_file():
         pytest.skip("docs/results holds no results bundle yet (docs/results/bundle/manifest.json): the next "
                     "full `softprior reproduce paper --out docs/results ...` writes it")
-    diff, seconds = _regenerate(results, REPO, tmp_path / "clone")
+    diff, _ = _regenerate(results, REPO, tmp_path / "clone")
     assert diff == [], "the committed documents are not what the committed bundle regenerates:\n" + "\n".join(diff)
-    assert seconds < 60, f"regenerating the documents took {seconds:.0f} s (at most a minute)"
