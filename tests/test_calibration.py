@@ -603,3 +603,12 @@ def test_no_rows_is_no_configs_and_linear_icl_registers_over_its_own_difficulty_
     assert candidate_configs(space, {}, {}, [0], rows=[]) == []
     assert [r.path for r, _, _ in candidate_configs(space, {}, {}, [0])] == ["forced_zero", "unforced"]
     assert prediction_rows("linear_icl") == []
+
+
+def test_the_map_block_names_its_rows_or_says_it_has_none():
+    """The robustness block's header names the prediction rows it trains, and says so when a task's
+    mapped claims read only difficulty rows (linear ICL) instead of printing an empty list."""
+    from softprior.calibration.doc import _mapped_rows
+    from softprior.calibration.robustness import prediction_rows
+    assert _mapped_rows(prediction_rows("assoc_recall")) == "rows fade600, hard_switch1050, posthoc, linear0.5->0"
+    assert _mapped_rows(prediction_rows("linear_icl")) == "no prediction rows (the claims read the difficulty rows)"

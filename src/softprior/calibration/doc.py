@@ -78,6 +78,13 @@ def _record_md(rec: dict) -> str:
     return "\n".join(lines)
 
 
+def _mapped_rows(rows) -> str:
+    """The map's prediction rows as the block names them; none when the task's mapped claims read only
+    its difficulty rows (linear ICL's boundary case)."""
+    keys = [r.key for r in rows]
+    return f"rows {', '.join(keys)}" if keys else "no prediction rows (the claims read the difficulty rows)"
+
+
 def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
     from ..report import splice_into_doc
     n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible", "interrupted")}
@@ -93,8 +100,9 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
     m = mapped(space, cands)
     passing = [c for c in cands if c.status == "passes"]
     lines = [f"Mapped configurations: {len(m)} ({'the passing ones' if passing else 'NO candidate passes: the nearest'}"
-             f"{', nearest ten' if len(passing) > 10 else ''}); rows {', '.join(r.key for r in prediction_rows(space.task))} "
-             f"at {space.seeds} seeds.", "", "| claim | predicate | holds in | of measured | per configuration |",
+             f"{', nearest ten' if len(passing) > 10 else ''}); "
+             f"{_mapped_rows(prediction_rows(space.task))} at {space.seeds} seeds.", "",
+             "| claim | predicate | holds in | of measured | per configuration |",
              "|---|---|---|---|---|"]
     mark = {True: "y", False: "n", "inconclusive": "~", None: "?"}
     for cl, yes, tot, res in counts:
