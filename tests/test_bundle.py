@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -91,12 +90,13 @@ def _compare(committed: dict[str, str], regenerated: dict[str, str]) -> list[str
             + [f"{k}: regenerated, not committed" for k in regenerated if k not in committed])
 
 
-def _regenerate(results: Path, root: Path, into: Path, *extra: str) -> tuple[list[str], float]:
+def _regenerate(results: Path, root: Path, into: Path, *extra: str) -> list[str]:
     """``report paper --from-bundle RESULTS`` into a copy of the checkout ``root``: the documents the
     manifest names copied with the generated blocks the bundle covers emptied (RESULTS.md, wholly
     generated, left out; a calibration space's blocks kept when the bundle does not carry that space,
-    as the first round's searches in docs/CALIBRATION.md), NOTES.md beside the tables. Returns what `git diff --exit-code` would show between the regenerated
-    files and ``root``'s (every document and every text file under the results), and the seconds taken."""
+    as the first round's searches in docs/CALIBRATION.md), NOTES.md beside the tables. Returns what
+    `git diff --exit-code` would show between the regenerated files and ``root``'s (every document and
+    every text file under the results)."""
     import re
 
     from softprior.bundle import BundleSource
@@ -119,14 +119,12 @@ def _regenerate(results: Path, root: Path, into: Path, *extra: str) -> tuple[lis
                                    flags=re.S))
     if (results / "NOTES.md").exists():
         shutil.copyfile(results / "NOTES.md", out / "NOTES.md")
-    t0 = time.perf_counter()
     assert main(["report", "paper", "--from-bundle", str(results), "--out", str(out), *extra]) == 0
-    seconds = time.perf_counter() - t0
     diff = [f"{p.relative_to(root.resolve())}: differs" for p in docs
             if (into / p.relative_to(root.resolve())).read_text() != p.read_text()]
     committed = {k: v for k, v in _texts(results).items()  # an absent space's outputs stay as committed
                  if not any(k.startswith(f"calibration/{space}/") for space in absent)}
-    return diff + _compare(committed, _texts(out)), seconds
+    return diff + _compare(committed, _texts(out))
 
 
 def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tmp_path, monkeypatch, capsys):
@@ -177,7 +175,7 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
 
     shutil.rmtree(store.root)  # no store from here on
     b = tmp_path / "b"
-    diff, _ = _regenerate(a / "results", a, b, "--plugin", str(plugin))  # the CI check's own code
+    diff = _regenerate(a / "results", a, b, "--plugin", str(plugin))  # the CI check's own code
     assert diff == []
     for doc in ("RESULTS.md", "README.md", "CALIBRATION.md"):
         assert (b / doc).read_text() == (a / doc).read_text(), doc
@@ -272,7 +270,7 @@ def test_undecided_cells_get_more_seeds_and_the_bundle_rebuilds_them(tmp_path, m
                      str(plugin)] + flags) == 0
     shutil.rmtree(store)
     monkeypatch.setattr(paper, "more_seeds", lambda tables: pytest.fail("a bundle does not decide again"))
-    diff, _ = _regenerate(a / "results", a, tmp_path / "b", "--plugin", str(plugin))
+    diff = _regenerate(a / "results", a, tmp_path / "b", "--plugin", str(plugin))
     assert diff == []
 
 
@@ -331,5 +329,5 @@ def test_committed_documents_equal_what_the_committed_bundle_regenerates(tmp_pat
     if not (results / "bundle" / "manifest.json").is_file():
         pytest.skip("docs/results holds no results bundle yet (docs/results/bundle/manifest.json): the next "
                     "full `softprior reproduce paper --out docs/results ...` writes it")
-    diff, _ = _regenerate(results, REPO, tmp_path / "clone")
+    diff = _regenerate(results, REPO, tmp_path / "clone")
     assert diff == [], "the committed documents are not what the committed bundle regenerates:\n" + "\n".join(diff)
