@@ -173,6 +173,15 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
     size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
     print(f"bundle: {size} bytes, {sum(1 for p in bundle.rglob('*') if p.is_file())} files")
 
+    # the bundle carries the store's time ledger: `report timings` gives the same figures from either
+    def timings(*source):
+        capsys.readouterr()
+        assert main(["report", "timings", *source, "--json", "--all-versions", "--gemm-rate", "100"]) == 0
+        return {k: v for k, v in json.loads(capsys.readouterr().out).items() if k not in ("store", "bundle")}
+    from_store = timings("--store", str(store.root))
+    assert from_store["jobs"] == len(store.ledger()) - from_store["sweeps"] > 0 and from_store["flop"] > 0
+    assert timings("--from-bundle", str(a / "results")) == from_store
+
     shutil.rmtree(store.root)  # no store from here on
     b = tmp_path / "b"
     diff = _regenerate(a / "results", a, b, "--plugin", str(plugin))  # the CI check's own code
@@ -205,6 +214,10 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
                  "--plugin", str(plugin)]) == 2
     err = capsys.readouterr().err
     assert rec.name in err and "edited after it was written" in err and len(err.strip().splitlines()) == 1
+
+    (bundle / "ledger.json").unlink()  # a bundle written before bundles carried the ledger
+    assert main(["report", "timings", "--from-bundle", str(a / "results")]) == 2
+    assert "holds no time ledger" in capsys.readouterr().err
 
 
 # an experiment whose seed count follows the options (so more seeds can be asked of it)

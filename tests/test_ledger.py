@@ -241,3 +241,24 @@ def test_where_the_time_goes_names_the_positional_scheme(tmp_path, capsys, monke
     assert sorted(kinds) == [base, f"{base} rope"]
     assert kinds[base]["runs"] == 2 and kinds[f"{base} rope"]["runs"] == 1
     assert kinds[f"{base} rope"]["flop"] == pytest.approx(_by_hand_flops(rope) * STEPS, rel=1e-12)
+
+
+def test_until_counts_only_the_rows_started_before_it(tmp_path, capsys):
+    """--until: a sweep's time read later, without the sweeps of the same code that followed it (the
+    paper's figure before the robustness maps): rows started at or after it are left out."""
+    store, version = RunStore(tmp_path / "s"), code_version(provenance())
+    for started, seconds, flop in ((1000.0, 10.0, 1e12), (2000.0, 20.0, 2e12), (3000.0, 40.0, 4e12)):
+        store.record_timing("job", "assoc_recall/base x", seconds, flop, 1, started, code_version=version)
+    whole = _timings(capsys, tmp_path / "s", "--gemm-rate", "100")
+    assert (whole["jobs"], whole["wall_seconds"], whole["flop"], whole["until"]) == (3, 70.0, 7e12, None)
+    before = _timings(capsys, tmp_path / "s", "--gemm-rate", "100", "--until", "2500")
+    assert (before["jobs"], before["wall_seconds"], before["flop"], before["until"]) == (2, 30.0, 3e12, 2500.0)
+    assert before["ratio"] == pytest.approx(30.0 / 30.0)
+    # the same instant as an ISO time: UTC where it names no zone, its own zone where it names one
+    for iso in ("1970-01-01T00:41:40", "1970-01-01T01:41:40+01:00"):
+        assert _timings(capsys, tmp_path / "s", "--gemm-rate", "100", "--until", iso) == before
+    assert _timings(capsys, tmp_path / "s", "--gemm-rate", "100", "--until", "2000")["jobs"] == 1  # not before
+    assert main(["report", "timings", "--store", str(tmp_path / "s"), "--gemm-rate", "100", "--until", "2500"]) == 0
+    assert "rows started before 1970-01-01 00:41:40 UTC (--until)" in capsys.readouterr().out
+    assert main(["report", "timings", "--store", str(tmp_path / "s"), "--until", "last week"]) == 2
+    assert "--until must be an ISO 8601 time" in capsys.readouterr().err

@@ -9,6 +9,7 @@ A benchmark, not a test: the numbers go to stdout, never into assertions.
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import time
 
@@ -124,6 +125,9 @@ def format_timings(t: dict) -> str:
         return f"the time ledger has no rows of code version {t['code_version']}{extra}"
     head = (f"code version {t['code_version']}" + (f" ({t['rows_other_versions']} rows of other versions left out: "
                                                    "--all-versions counts them)" if t["rows_other_versions"] else ""))
+    if t.get("until") is not None:
+        when = datetime.datetime.fromtimestamp(t["until"], datetime.timezone.utc)
+        head += f", rows started before {when.strftime('%Y-%m-%d %H:%M:%S')} UTC (--until)"
     ratio = f"{t['ratio']:.2f}x the floor" if t["ratio"] is not None else "no FLOP trained"
     lines = [f"time ledger, {head}",
              f"paper's time: {_secs(t['wall_seconds'])} wall, {ratio}: the time covered by {_n(t['jobs'], 'job')}, "

@@ -22,6 +22,9 @@ Layout (``FORMAT`` 1; ``BundleSource`` refuses any other)::
     bundle/curves/RUN_ID.json     its metrics curve (columns, rows), where a report read it
     bundle/frames/KIND/HASH.csv   a derived table (a mechanism or continuation trace), round-trip floats
     bundle/records/HASH.json      the calibration records the runs name, verified when read
+    bundle/ledger.json            the store's time ledger (``RunStore.ledger``: every row, oldest first) and
+                                  each job's kind (task/size and positional scheme), read by
+                                  ``softprior report timings --from-bundle``
 
 Nothing here imports the reports or the calibration package (a layer below both).
 """
@@ -37,10 +40,12 @@ from pathlib import Path
 
 from .store.errors import StoreError
 
-__all__ = ["FORMAT", "BundleError", "BundleSource", "BundleWriter", "Recorder", "ask", "ask_many", "find_bundle"]
+__all__ = ["FORMAT", "BundleError", "BundleSource", "BundleWriter", "Recorder", "ask", "ask_many", "find_bundle",
+           "read_ledger", "write_ledger"]
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+LEDGER = "ledger.json"
 
 
 class BundleError(StoreError):
@@ -251,7 +256,38 @@ class BundleWriter:
         return self.final
 
 
+def write_ledger(bundle_dir: str | Path, rows: list[dict], kinds: dict[int, str]) -> Path:
+    """The time ledger into a bundle (``bundle_dir``: a ``BundleWriter.dir`` or a finished bundle):
+    ``rows`` as ``RunStore.ledger`` gives them, ``kinds`` a job row's kind by its id (what the store's
+    run configs say of it, which a bundle cannot ask later). One row a line."""
+    body = {"rows": rows, "kinds": {str(i): k for i, k in sorted(kinds.items())}}
+    path = Path(bundle_dir) / LEDGER
+    _replace_file(path, _dump_lines(body))
+    return path
+
+
 # -------------------------------------------------------------------------------------- reading
+def read_ledger(path: str | Path) -> tuple[list[dict], dict[int, str]]:
+    """A bundle's time ledger (``write_ledger``): its rows, oldest first, and each job's kind by row id.
+    A ``BundleError`` where the bundle has none (written before bundles carried it) or another format."""
+    root = find_bundle(path)
+    try:
+        fmt = json.loads((root / MANIFEST).read_text()).get("format")
+    except ValueError as e:
+        raise BundleError(f"results bundle {str(root)!r}: unreadable {MANIFEST} ({e})") from None
+    if fmt != FORMAT:
+        raise BundleError(f"results bundle {str(root)!r} is format {fmt!r}; this softprior reads format {FORMAT}")
+    f = root / LEDGER
+    if not f.is_file():
+        raise BundleError(f"the results bundle {str(root)!r} holds no time ledger ({LEDGER}): it was written "
+                          "before bundles carried one; `softprior report paper --store S` writes it")
+    try:
+        body = json.loads(f.read_text())
+        return list(body["rows"]), {int(i): k for i, k in body["kinds"].items()}
+    except (ValueError, KeyError, TypeError) as e:
+        raise BundleError(f"results bundle {str(root)!r}: unreadable {LEDGER} ({e})") from None
+
+
 def find_bundle(path: str | Path) -> Path:
     """The bundle at ``path``: the directory holding ``manifest.json``, or its ``bundle/`` subdirectory
     (``docs/results`` names ``docs/results/bundle``)."""

@@ -414,6 +414,11 @@ def _paper(args, train: bool) -> int:
     written = write_calibration_docs(store, cal_doc, out, spaces, bundle=writer.dir if writer else None) \
         if cal_doc else []
     if writer is not None:
+        from .bundle import write_ledger
+        rows = store.ledger()  # after this report's rows: the bundle carries the time it took
+        kind_of = _ledger_kind(store)
+        write_ledger(writer.dir, rows, {r["id"]: kind_of(r) for r in rows if r["kind"] == "job"})
+
         def rel(p):
             return Path(os.path.relpath(Path(p).resolve(), out.resolve())).as_posix() if p else None
         writer.finish({"options": {"seeds": opts.seeds, "quick": opts.quick,
@@ -595,36 +600,72 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _ledger_kind(store):
+    """A job row's kind for ``report timings``: task/size (``bench.job_kind``), and the positional scheme
+    where there is one, read from the store's config of its first run."""
+    from .bench import job_kind
+    from .store import StoreError
+
+    def kind_of(row) -> str:
+        try:
+            pos = store.load_config(row["detail"]["run_ids"][0]).model.positional
+        except (StoreError, KeyError, IndexError, OSError, ValueError):
+            return job_kind(row)
+        return job_kind(row) + ("" if pos in (None, "none") else f" {pos}")
+    return kind_of
+
+
+def _until(text: str | None) -> float | None:
+    """--until: an ISO 8601 date or time (UTC where it names no zone) or unix seconds, as unix seconds."""
+    if text is None:
+        return None
+    import datetime
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise CliError(f"--until must be an ISO 8601 time (e.g. 2026-12-06T03:00, UTC unless it names a zone) "
+                       f"or unix seconds, got {text!r}") from None
+    return (when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
 def cmd_report_timings(args) -> int:
-    """``report timings``: the store's time ledger (``bench.ledger_summary``): the paper's wall time, its
-    FLOP, the floor at the GEMM rate and the ratio, and the costliest jobs; by default only the rows of
-    the code version this checkout is (``provenance.code_version``), another with --code-version, all with
-    --all-versions; and where the time goes, per kind of job (task/size and positional scheme)."""
+    """``report timings``: the store's time ledger (``bench.ledger_summary``), or the one a results bundle
+    carries (--from-bundle): the paper's wall time, its FLOP, the floor at the GEMM rate and the ratio,
+    and the costliest jobs; by default only the rows of the code version this checkout is
+    (``provenance.code_version``), another with --code-version, all with --all-versions; rows started
+    before --until only; and where the time goes, per kind of job (task/size and positional scheme)."""
     if args.gemm_rate is not None and not args.gemm_rate > 0:
         raise CliError(f"--gemm-rate must be a positive number of GFLOP/s, got {args.gemm_rate}")
     if args.top < 0:
         raise CliError(f"--top must be >= 0, got {args.top}")
     if args.all_versions and args.code_version:
         raise CliError("--all-versions and --code-version contradict each other: give one")
+    until = _until(args.until)
     from .bench import format_timings, job_kind, ledger_summary
     from .provenance import code_version, provenance
-    from .store import StoreError
-    store = _store(args, read_only=True)
-    rows = store.ledger()
+    if args.from_bundle:
+        from .bundle import read_ledger
+        rows, kinds = read_ledger(args.from_bundle)
+
+        def kind_of(row) -> str:
+            return kinds.get(row["id"]) or job_kind(row)
+        where = {"bundle": str(args.from_bundle)}
+    else:
+        store = _store(args, read_only=True)
+        rows, kind_of, where = store.ledger(), _ledger_kind(store), {"store": str(args.store)}
     if args.code_version and not any(r.get("code_version") == args.code_version for r in rows):
         known = sorted({r.get("code_version") or "?" for r in rows})
         raise CliError(f"--code-version {args.code_version!r}: the time ledger has no row of it; it has "
                        f"{', '.join(known) or 'no rows'}")
-
-    def kind_of(row) -> str:  # task/size, and the positional scheme where there is one (from the run's config)
-        try:
-            pos = store.load_config(row["detail"]["run_ids"][0]).model.positional
-        except (StoreError, KeyError, IndexError, OSError, ValueError):
-            return job_kind(row)
-        return job_kind(row) + ("" if pos in (None, "none") else f" {pos}")
+    if until is not None:
+        rows = [r for r in rows if r["started_at"] < until]
     version = None if args.all_versions else args.code_version or code_version(provenance())
     t = ledger_summary(rows, version, rate=args.gemm_rate, top=args.top, kind_of=kind_of)
-    t["store"] = str(args.store)
+    t.update(where, until=until)
     print(json.dumps(t, sort_keys=True) if args.json else format_timings(t))
     return 0
 
@@ -794,7 +835,7 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--from-bundle", default=None, metavar="DIR", help="read a results bundle (DIR/bundle, "
                            "e.g. docs/results) instead of a store: 'paper' rewrites the documents it was written "
                            "for (RESULTS.md, CALIBRATION.md, the README table; paths relative to --out, by default "
-                           "DIR), no store and no weights needed")
+                           "DIR), no store and no weights needed; 'timings' reads the time ledger it carries")
             r.add_argument("--exploratory", action="store_true", help="let runs trained from a dirty tree "
                            "(uncommitted changes) enter the tables, marked exploratory (default: refused)")
             r.add_argument("--json", action="store_true", help="timings: print one JSON object")
@@ -806,6 +847,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "this code version (as the ledger names it, e.g. 0.1.0@1a7f242198ad) instead of this "
                            "checkout's")
             r.add_argument("--top", type=int, default=10, help="timings: the costliest jobs listed")
+            r.add_argument("--until", default=None, metavar="WHEN", help="timings: count only the rows started "
+                           "before WHEN (ISO 8601, UTC unless it names a zone, or unix seconds), e.g. a sweep's "
+                           "time before later sweeps of the same code")
         if name == "reproduce":
             r.add_argument("--executor", default="local", choices=["local", "ray"])
             r.add_argument("--group", type=_group_arg, default="auto", help="runs trained together in one "
