@@ -9,6 +9,14 @@ run-step, the achieved GFLOP/s (``flops.train_step_flops``: what the fast path c
 fraction of the machine's fp32 GEMM rate at the same thread count (``flops.gemm_rate``), and the
 profiler's 15 costliest operators by self CPU time. Run it on a quiet machine, inside the training
 setting (``runtime.prepare_training``, as a sweep worker trains).
+
+Then the step's fixed cost: the same step at batch 1 (per run-step), which is all that does not grow
+with the batch (Python, dispatch, autograd's graph, the optimiser, the gates), and the bound it sets:
+even if every batch-proportional FLOP ran at the GEMM rate, a batch-64 step would take floor + fixed,
+so its fraction of the GEMM rate is at most floor / (floor + fixed).
+
+Last, ms per 64 examples for K runs of batch B: whether a group's per-example work runs slower than a
+single run's at the same number of examples in flight.
 """
 
 from __future__ import annotations
@@ -48,6 +56,22 @@ def main(threads: int = 1, steps: int = 40) -> None:
             _time(runs, steps)
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40)
         print("```\n" + table + "```\n", flush=True)
+    print("## The fixed cost: the same step at batch 1\n\n| K | ms per run-step at B = 1 | floor at B = 64, ms | "
+          "bound on the fraction of GEMM at B = 64 |\n|---|---|---|---|")
+    for K in (1, 8):
+        cfgs = [make_run_config("assoc_recall", "unforced", k) for k in range(K)]
+        runs = Runs([make_run_config("assoc_recall", "unforced", k, batch_size=1) for k in range(K)])
+        _time(runs, 10)
+        fixed = min(_time(runs, steps) for _ in range(3)) / K
+        floor = train_step_flops(cfgs[0]) / rate / 1e6
+        print(f"| {K} | {fixed:.2f} | {floor:.2f} | {floor / (floor + fixed):.0%} |", flush=True)
+    print("\n## Per 64 examples\n\n| K | B | ms per step | ms per 64 examples |\n|---|---|---|---|")
+    for K, B in ((1, 64), (1, 128), (1, 256), (1, 512), (2, 64), (4, 64), (8, 64)):
+        runs = Runs([make_run_config("assoc_recall", "unforced", k, batch_size=B) for k in range(K)])
+        n = max(5, steps * 64 // (K * B))
+        _time(runs, 5)
+        ms = min(_time(runs, n) for _ in range(3))
+        print(f"| {K} | {B} | {ms:.2f} | {ms * 64 / (K * B):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

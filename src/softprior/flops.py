@@ -9,7 +9,7 @@ import time
 
 import torch
 
-__all__ = ["gemm_rate", "train_step_flops"]
+__all__ = ["gemm_rate", "scheme_flops", "train_step_flops"]
 
 
 def gemm_rate(threads: int | None = None, n: int = 1024, reps: int = 10) -> float:
@@ -37,9 +37,28 @@ def gemm_rate(threads: int | None = None, n: int = 1024, reps: int = 10) -> floa
         torch.set_num_threads(old)
 
 
+def scheme_flops(m, B: int, Tq: int, T: int) -> float:
+    """Matmul FLOPs of a contextual positional scheme's own network in one layer's forward, for B
+    sequences, Tq queries and T keys (model config ``m``; 0 for the other schemes, whose tables do not
+    grow with the batch):
+    - DAPE (Zheng et al. 2024): f = Linear(2H, w) -> LeakyReLU -> Linear(w, H) at every (i, j):
+      2 B Tq T (2H w + w H), w = ``DAPE.MLP_WIDTH`` (32);
+    - CoPE (Golovneva et al. 2024): z_i = q_i P per head and query, P [d_head, npos], npos = n_ctx + 1:
+      2 B H Tq d_head npos.
+    GPSA's positional map is per step, not per example (2 Tq T x 2 x H), and is left out."""
+    if m.positional == "dape":
+        from .positional.contextual import DAPE
+        w, H = DAPE.MLP_WIDTH, m.n_heads
+        return 2 * B * Tq * T * (2 * H * w + w * H)
+    if m.positional == "cope":
+        return 2 * B * m.n_heads * Tq * m.d_head * (m.n_ctx + 1)
+    return 0.0
+
+
 def train_step_flops(cfg) -> float:
     """Matmul FLOPs of one training step (forward x 3 for forward + backward), from the shapes.
-    The last layer computes queries only at the loss positions, as the engine does."""
+    The last layer computes queries only at the loss positions, as the engine does; a contextual
+    scheme's own network is counted in every layer (``scheme_flops``)."""
     m, B, T = cfg.model, cfg.batch_size, cfg.model.n_ctx
     d, H, r, L = m.d_model, m.n_heads, m.content_rank, m.n_layers
     dh, V = m.d_head, m.vocab
@@ -53,5 +72,6 @@ def train_step_flops(cfg) -> float:
         fwd += 2 * B * H * Tq * T * (dh + r)  # scores (content folded in)
         fwd += 2 * B * H * Tq * T * dh  # pattern @ V
         fwd += 2 * B * Tq * d * d  # output projection
+        fwd += scheme_flops(m, B, Tq, T)  # DAPE's MLP, CoPE's position projection
     fwd += 2 * B * P * d * V  # tied unembedding
     return 3 * fwd

@@ -76,8 +76,9 @@ class DAPE(PositionalScheme):
     range (the paper's claim is that this adapts well)."""
 
     name = "dape"
+    MLP_WIDTH = 32  # the reference's hidden width (``flops.train_step_flops`` counts the MLP with it)
 
-    def __init__(self, *, mlp_width: int = 32, **dims):
+    def __init__(self, *, mlp_width: int = MLP_WIDTH, **dims):
         super().__init__(**dims)
         self.base = KerpleLog(**dims)
         H = self.n_heads
