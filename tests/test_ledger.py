@@ -262,3 +262,19 @@ def test_until_counts_only_the_rows_started_before_it(tmp_path, capsys):
     assert "rows started before 1970-01-01 00:41:40 UTC (--until)" in capsys.readouterr().out
     assert main(["report", "timings", "--store", str(tmp_path / "s"), "--until", "last week"]) == 2
     assert "--until must be an ISO 8601 time" in capsys.readouterr().err
+    assert main(["report", "timings", "--store", str(tmp_path / "s"), "--until", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "no rows of code version" in out and "left out the 3 rows started after it" in out
+
+
+def test_a_ledger_without_this_versions_rows_names_the_one_to_ask_for(tmp_path, capsys):
+    """A fresh clone reads a ledger written by other code (the committed bundle's): the message names
+    the version that trained the most, the one to pass to --code-version."""
+    store = RunStore(tmp_path / "s")
+    for version, seconds in (("0.0.1@aaaaaaaaaaaa", 50.0), ("0.0.1@bbbbbbbbbbbb", 500.0),
+                             ("0.0.1@cccccccccccc", 80.0)):  # c's report is no training time
+        store.record_timing("job", "assoc_recall/base x", seconds, 1e12, 1, 1000.0, code_version=version)
+    store.record_timing("report", "removability", 900.0, 0.0, 9, 2000.0, code_version="0.0.1@cccccccccccc")
+    assert main(["report", "timings", "--store", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "4 rows of other code versions" in out and "the most job time: 0.0.1@bbbbbbbbbbbb" in out

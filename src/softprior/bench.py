@@ -54,10 +54,14 @@ def ledger_summary(rows: list[dict], code_version: str | None = None, rate: floa
 
     ``kinds``: where the time goes, per kind of job (``kind_of(row)``; by default task/size): jobs, runs,
     worker-seconds and their share, FLOP, GFLOP/s per worker, and ``x_floor``, its worker-seconds
-    against its FLOP at a worker's share of the GEMM rate (``rate`` / the sweep's workers)."""
+    against its FLOP at a worker's share of the GEMM rate (``rate`` / the sweep's workers).
+    ``other_versions``: the code versions left out; ``busiest_version`` the one of them with the most
+    job seconds (what to pass as ``code_version`` to read a ledger other code wrote)."""
     counted = [r for r in rows if code_version is None or r.get("code_version") == code_version]
     others = sorted({r.get("code_version") or "?" for r in rows
                      if code_version is not None and r.get("code_version") != code_version})
+    busiest = max(others, key=lambda v: sum(r["seconds"] for r in rows if r["kind"] == "job"
+                                            and (r.get("code_version") or "?") == v), default=None)
     jobs = [r for r in counted if r["kind"] == "job"]
     intervals = []
     for r in counted:
@@ -96,7 +100,8 @@ def ledger_summary(rows: list[dict], code_version: str | None = None, rate: floa
         k["x_floor"] = k["seconds"] / k["floor_seconds"] if k["floor_seconds"] > 0 else None
     kinds = dict(sorted(kinds.items(), key=lambda kv: -kv[1]["seconds"]))
     return {"code_version": code_version or "all", "rows": len(counted), "rows_other_versions": len(rows) - len(counted),
-            "other_versions": others, "jobs": len(jobs), "reports": sum(r["kind"] == "report" for r in counted),
+            "other_versions": others, "busiest_version": busiest, "jobs": len(jobs),
+            "reports": sum(r["kind"] == "report" for r in counted),
             "sweeps": sum(r["kind"] == "sweep" for r in counted), "runs": sum(r["runs"] for r in jobs),
             "run_steps": sum(r["detail"].get("steps") or 0 for r in jobs), "wall_seconds": wall,
             "job_seconds": per_kind["job"], "report_seconds": per_kind["report"], "sweep_seconds": per_kind["sweep"],
@@ -121,8 +126,11 @@ def format_timings(t: dict) -> str:
     """``ledger_summary``'s dict as the text of ``softprior report timings``."""
     if not t["rows"]:
         extra = (f"; {t['rows_other_versions']} rows of other code versions ({', '.join(t['other_versions'])}): "
-                 "--all-versions counts them") if t["rows_other_versions"] else ""
-        return f"the time ledger has no rows of code version {t['code_version']}{extra}"
+                 f"--code-version counts one (the most job time: {t['busiest_version']}), --all-versions all"
+                 ) if t["rows_other_versions"] else ""
+        later = (f"; --until left out the {t['rows_after_until']} rows started after it"
+                 if t.get("rows_after_until") else "")
+        return f"the time ledger has no rows of code version {t['code_version']}{extra}{later}"
     head = (f"code version {t['code_version']}" + (f" ({t['rows_other_versions']} rows of other versions left out: "
                                                    "--all-versions counts them)" if t["rows_other_versions"] else ""))
     if t.get("until") is not None:

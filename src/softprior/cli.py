@@ -661,11 +661,10 @@ def cmd_report_timings(args) -> int:
         known = sorted({r.get("code_version") or "?" for r in rows})
         raise CliError(f"--code-version {args.code_version!r}: the time ledger has no row of it; it has "
                        f"{', '.join(known) or 'no rows'}")
-    if until is not None:
-        rows = [r for r in rows if r["started_at"] < until]
+    before = [r for r in rows if until is None or r["started_at"] < until]
     version = None if args.all_versions else args.code_version or code_version(provenance())
-    t = ledger_summary(rows, version, rate=args.gemm_rate, top=args.top, kind_of=kind_of)
-    t.update(where, until=until)
+    t = ledger_summary(before, version, rate=args.gemm_rate, top=args.top, kind_of=kind_of)
+    t.update(where, until=until, rows_after_until=len(rows) - len(before))
     print(json.dumps(t, sort_keys=True) if args.json else format_timings(t))
     return 0
 
