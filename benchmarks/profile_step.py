@@ -40,6 +40,12 @@ def _time(runs: Runs, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1000
 
 
+def _best(runs: Runs, steps: int, warm: int = 10) -> float:
+    """ms per step, the best of 3 timings of ``steps`` steps after ``warm`` warm-up steps."""
+    _time(runs, warm)
+    return min(_time(runs, steps) for _ in range(3))
+
+
 def main(threads: int = 1, steps: int = 40) -> None:
     torch.set_num_threads(threads)
     rate = gemm_rate(threads)
@@ -48,8 +54,7 @@ def main(threads: int = 1, steps: int = 40) -> None:
     for K in (1, 8):
         cfgs = [make_run_config("assoc_recall", "unforced", k) for k in range(K)]
         runs = Runs(cfgs)
-        _time(runs, 10)  # warm-up
-        ms = min(_time(runs, steps) for _ in range(3)) / K  # per run-step, best of 3
+        ms = _best(runs, steps) / K  # per run-step
         gflops = train_step_flops(cfgs[0]) / ms / 1e6
         print(f"## K = {K}: {ms:.2f} ms per run-step, {gflops:.1f} GFLOP/s, {gflops / rate:.0%} of GEMM\n")
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -58,19 +63,14 @@ def main(threads: int = 1, steps: int = 40) -> None:
         print("```\n" + table + "```\n", flush=True)
     print("## The fixed cost: the same step at batch 1\n\n| K | ms per run-step at B = 1 | floor at B = 64, ms | "
           "bound on the fraction of GEMM at B = 64 |\n|---|---|---|---|")
+    floor = train_step_flops(make_run_config("assoc_recall", "unforced", 0)) / rate / 1e6  # ms at B = 64
     for K in (1, 8):
-        cfgs = [make_run_config("assoc_recall", "unforced", k) for k in range(K)]
-        runs = Runs([make_run_config("assoc_recall", "unforced", k, batch_size=1) for k in range(K)])
-        _time(runs, 10)
-        fixed = min(_time(runs, steps) for _ in range(3)) / K
-        floor = train_step_flops(cfgs[0]) / rate / 1e6
+        fixed = _best(Runs([make_run_config("assoc_recall", "unforced", k, batch_size=1) for k in range(K)]), steps) / K
         print(f"| {K} | {fixed:.2f} | {floor:.2f} | {floor / (floor + fixed):.0%} |", flush=True)
     print("\n## Per 64 examples\n\n| K | B | ms per step | ms per 64 examples |\n|---|---|---|---|")
     for K, B in ((1, 64), (1, 128), (1, 256), (1, 512), (2, 64), (4, 64), (8, 64)):
         runs = Runs([make_run_config("assoc_recall", "unforced", k, batch_size=B) for k in range(K)])
-        n = max(5, steps * 64 // (K * B))
-        _time(runs, 5)
-        ms = min(_time(runs, n) for _ in range(3))
+        ms = _best(runs, max(5, steps * 64 // (K * B)), warm=5)
         print(f"| {K} | {B} | {ms:.2f} | {ms * 64 / (K * B):.2f} |", flush=True)
 
 

@@ -267,16 +267,24 @@ def write_ledger(bundle_dir: str | Path, rows: list[dict], kinds: dict[int, str]
 
 
 # -------------------------------------------------------------------------------------- reading
+def _manifest(root: Path) -> dict:
+    """The manifest of the bundle at ``root`` (``find_bundle``), refused unless it is this ``FORMAT``."""
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except ValueError as e:
+        raise BundleError(f"results bundle {str(root)!r}: unreadable {MANIFEST} ({e})") from None
+    fmt = manifest.get("format")
+    if fmt != FORMAT:
+        raise BundleError(f"results bundle {str(root)!r} is format {fmt!r}; this softprior reads format "
+                          f"{FORMAT}: regenerate it with `softprior reproduce paper`")
+    return manifest
+
+
 def read_ledger(path: str | Path) -> tuple[list[dict], dict[int, str]]:
     """A bundle's time ledger (``write_ledger``): its rows, oldest first, and each job's kind by row id.
     A ``BundleError`` where the bundle has none (written before bundles carried it) or another format."""
     root = find_bundle(path)
-    try:
-        fmt = json.loads((root / MANIFEST).read_text()).get("format")
-    except ValueError as e:
-        raise BundleError(f"results bundle {str(root)!r}: unreadable {MANIFEST} ({e})") from None
-    if fmt != FORMAT:
-        raise BundleError(f"results bundle {str(root)!r} is format {fmt!r}; this softprior reads format {FORMAT}")
+    _manifest(root)
     f = root / LEDGER
     if not f.is_file():
         raise BundleError(f"the results bundle {str(root)!r} holds no time ledger ({LEDGER}): it was written "
@@ -308,14 +316,7 @@ class BundleSource:
 
     def __init__(self, path: str | Path):
         self.root = find_bundle(path)
-        try:
-            self.manifest = json.loads((self.root / MANIFEST).read_text())
-        except ValueError as e:
-            raise BundleError(f"results bundle {str(self.root)!r}: unreadable {MANIFEST} ({e})") from None
-        fmt = self.manifest.get("format")
-        if fmt != FORMAT:
-            raise BundleError(f"results bundle {str(self.root)!r} is format {fmt!r}; this softprior reads format "
-                              f"{FORMAT}: regenerate it with `softprior reproduce paper`")
+        self.manifest = _manifest(self.root)
         self._done: dict[str, bool] = {}
         self._answers: dict[tuple[str, str], object] = {}
         self._frames: dict[tuple[str, str], dict] = {}
