@@ -459,3 +459,35 @@ def test_an_older_single_run_checkpoint_restarts_the_run_without_its_snapshots(s
               {"meta": json.dumps({"step": 5, "n_in_window": 0, "metrics": []})})
     assert store.load_checkpoint(cfg.run_id) is None
     assert not (d / "checkpoint.safetensors").exists() and not (d / "snapshots").exists()
+
+
+def _open_new_store(root, barrier, errors):
+    barrier.wait()
+    try:
+        RunStore(root).index.record_timing("job", "opened", 0.0)
+    except Exception as e:  # noqa: BLE001 - the test reports it
+        errors.put(repr(e))
+
+
+def test_processes_that_create_one_store_at_once_all_open_it(tmp_path):
+    """Several processes opening a store that does not exist yet, at the same moment (two sweeps started
+    together): each one opens it. SQLite refused the others' switch of the new file to WAL mode at once,
+    "database is locked", before the index retried it."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    errors, rows = ctx.Queue(), 0
+    for trial in range(12):
+        root = tmp_path / f"s{trial}"
+        barrier = ctx.Barrier(4)
+        procs = [ctx.Process(target=_open_new_store, args=(root, barrier, errors)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert all(p.exitcode == 0 for p in procs)
+        rows += len(RunStore(root).index.ledger())
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, found
+    assert rows == 12 * 4

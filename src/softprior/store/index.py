@@ -1,4 +1,4 @@
-"""The run store's index: SQLite (WAL mode, busy timeout) holding each run's status, config,
+"""The run store's index: SQLite (WAL mode, busy timeout; a new file's switch to WAL retried, ``_enable_wal``) holding each run's status, config,
 summary and error, the leases that keep two processes from training one run, the checksums of the
 files a finished run wrote, group-engine failures, and the time ledger (the wall time and FLOP of every
 job, report and sweep, append-only). Nothing here reads or writes a run's files.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import sqlite3
 import time
@@ -94,6 +95,22 @@ LEDGER_KINDS = ("job", "report", "sweep")  # the time ledger's rows (``RunIndex.
 STALE_SECONDS = 6 * 3600.0  # a 'running' claim from another host without a heartbeat for this long is void
 
 
+def _enable_wal(db: sqlite3.Connection, timeout: float = 60.0) -> None:
+    """Put the index in WAL mode (kept in the file). Switching a new file to WAL takes an exclusive
+    lock, and where several processes open a new store at once SQLite answers the others' switch with
+    "database is locked" at once, without waiting on the busy timeout (the lock upgrade would deadlock):
+    so wait and try again, up to ``timeout`` seconds. A file already in WAL mode needs no lock."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005 + 0.045 * random.random())
+
+
 def _owner_alive(owner: str | None) -> bool:
     """False when ``owner`` ('host:pid') is a process of this host that no longer exists."""
     if not owner:
@@ -167,9 +184,9 @@ class RunIndex:
         except sqlite3.Error as e:
             raise StoreError(f"cannot open the index of store {str(self.root)!r}: {e}") from None
         try:
-            if not self.read_only:
-                db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA busy_timeout=60000")
+            if not self.read_only:
+                _enable_wal(db)
             db.row_factory = sqlite3.Row
             yield db
         except sqlite3.OperationalError as e:  # locked, unwritable, ...: not damage
