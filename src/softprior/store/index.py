@@ -1,7 +1,8 @@
-"""The run store's index: SQLite (WAL mode, busy timeout; a new file's switch to WAL retried, ``_enable_wal``) holding each run's status, config,
-summary and error, the leases that keep two processes from training one run, the checksums of the
-files a finished run wrote, group-engine failures, and the time ledger (the wall time and FLOP of every
-job, report and sweep, append-only). Nothing here reads or writes a run's files.
+"""The run store's index: SQLite (WAL mode, busy timeout; a new file's switch to WAL is retried,
+``_enable_wal``) holding each run's status, config, summary and error, the leases that keep two
+processes from training one run, the checksums of the files a finished run wrote, group-engine
+failures, and the time ledger (the wall time and FLOP of every job, report and sweep, append-only).
+Nothing here reads or writes a run's files.
 
 An index opened read-only (``RunIndex(..., read_only=True)``, and ``integrity.verify_store`` always)
 never writes: see ``connect_read_only``."""
