@@ -290,7 +290,8 @@ def test_undecided_cells_get_more_seeds_and_the_bundle_rebuilds_them(tmp_path, m
 def test_a_dirty_run_enters_only_a_table_marked_exploratory(tmp_path, monkeypatch, capsys):
     """A run whose summary's code version ends in '+dirty' is refused by every table (one line naming
     it, exit 2, nothing written) unless --exploratory, which marks the table and the bundle; the bundle
-    then regenerates the marked table; a paper's sweep in a dirty checkout refuses before training."""
+    then regenerates the marked table; a sweep in a dirty checkout (the paper's, or one experiment's)
+    refuses before training."""
     from softprior.experiments import Options, get_experiment
     from softprior.report import DirtyRunsRefused, write_report
     from softprior.store import RunStore
@@ -331,6 +332,11 @@ def test_a_dirty_run_enters_only_a_table_marked_exploratory(tmp_path, monkeypatc
                  "--plugin", str(plugin), "--no-progress"]) == 2
     assert "uncommitted changes" in capsys.readouterr().err
     assert not (tmp_path / "fresh" / "runs").exists() or not any((tmp_path / "fresh" / "runs").iterdir())
+    # and so is one experiment's (its table would be refused only after the training)
+    assert main(["reproduce", "bundle_table", "--store", str(tmp_path / "fresh1"), "--out", str(tmp_path / "y"),
+                 "--plugin", str(plugin), "--no-progress"]) == 2
+    assert "uncommitted changes" in capsys.readouterr().err
+    assert not (tmp_path / "fresh1" / "runs").exists() or not any((tmp_path / "fresh1" / "runs").iterdir())
 
 
 def test_committed_documents_equal_what_the_committed_bundle_regenerates(tmp_path):

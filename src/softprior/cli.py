@@ -460,8 +460,9 @@ def _more_seeds(store, opts, names, exps):
 
 
 def _refuse_dirty_training(cfgs, store, exploratory: bool) -> None:
-    """Before a paper's sweep: runs trained now from a checkout with uncommitted changes would be
-    ``+dirty`` and refused by every table (``report.check_clean``), so say so before training them."""
+    """Before a sweep (an experiment's or the paper's): runs trained now from a checkout with uncommitted
+    changes would be ``+dirty`` and refused by every table (``report.check_clean``), so say so before
+    training them rather than after."""
     if exploratory:
         return
     from .provenance import code_version, provenance
@@ -513,6 +514,7 @@ def cmd_reproduce(args) -> int:
     exp, cells = _experiment(args)
     _check_outputs(args, f"results/{exp.name}")
     store = _store(args)
+    _refuse_dirty_training([c.cfg for c in cells], store, args.exploratory)
     print(f"{exp.name}: {exp.description}\n{len(cells)} runs, store {args.store}, executor {args.executor}"
           f"{f' x{args.workers}' if args.workers > 1 else ''}, group size {_group_shown(args, [c.cfg for c in cells], store)}",
           file=sys.stderr)
