@@ -51,7 +51,8 @@ def _best(runs: Runs, steps: int, warm: int = 10) -> float:
     return min(_time(runs, steps) for _ in range(3))
 
 
-_MATMULS = {"bmm": torch.bmm, "baddbmm": torch.baddbmm, "mm": torch.mm, "addmm": torch.addmm}
+_MATMULS = {torch.ops.aten.bmm: torch.bmm, torch.ops.aten.baddbmm: torch.baddbmm, torch.ops.aten.mm: torch.mm,
+            torch.ops.aten.addmm: torch.addmm}  # the operators the probe times, and how to call each alone
 
 
 class _MatmulProbe(TorchDispatchMode):
@@ -62,20 +63,20 @@ class _MatmulProbe(TorchDispatchMode):
         self.calls: dict = {}  # key -> [count, seconds, the inputs of one call]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in _MATMULS or func.overloadpacket is not getattr(torch.ops.aten, name):
+        op = func.overloadpacket
+        if op not in _MATMULS:
             return func(*args, **(kwargs or {}))
         t = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         dt = time.perf_counter() - t
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        key = (name, tuple((tuple(a.shape), a.stride()) for a in tensors))
+        key = (op, tuple((tuple(a.shape), a.stride()) for a in tensors))
         c = self.calls.setdefault(key, [0, 0.0, tensors])
         c[0], c[1] = c[0] + 1, c[1] + dt
         return out
 
 
-def _matmul_flop(name: str, shapes: list) -> float:
+def _matmul_flop(shapes: list) -> float:
     """2 m k n (x the batch) of one call, from its input shapes (``addmm``/``baddbmm``: the bias first)."""
     a, b = shapes[-2:]
     return 2.0 * (a[0] if len(a) == 3 else 1) * a[-2] * a[-1] * b[-1]
@@ -84,11 +85,11 @@ def _matmul_flop(name: str, shapes: list) -> float:
 _FLUSH = torch.empty(16 << 20)  # 64 MiB written before a call: the caches hold none of its inputs
 
 
-def _alone_ms(name: str, inputs: list, cold: bool, reps: int = 20) -> float:
-    """ms per call of ``name`` alone on fresh tensors with the shapes and strides of ``inputs``: with the
+def _alone_ms(op, inputs: list, cold: bool, reps: int = 20) -> float:
+    """ms per call of ``op`` alone on fresh tensors with the shapes and strides of ``inputs``: with the
     caches warm (the same call repeated) or ``cold`` (64 MiB written before each call); best of 3."""
     args = [torch.empty_strided(a.shape, a.stride()).normal_() for a in inputs]
-    fn = _MATMULS[name]
+    fn = _MATMULS[op]
     for _ in range(3):
         fn(*args)
     best = float("inf")
@@ -111,10 +112,10 @@ def matmul_table(runs: Runs, rate: float, steps: int = 10) -> None:
     with probe:
         _time(runs, steps)
     rows = []
-    for (name, sig), (n, sec, inputs) in probe.calls.items():
-        calls, f = n / steps, _matmul_flop(name, [s for s, _ in sig])
-        rows.append((sec / steps * 1000, name, [list(s) for s, _ in sig], calls, f * calls,
-                     _alone_ms(name, inputs, False) * calls, _alone_ms(name, inputs, True) * calls))
+    for (op, sig), (n, sec, inputs) in probe.calls.items():
+        calls, f = n / steps, _matmul_flop([s for s, _ in sig])
+        rows.append((sec / steps * 1000, op.__name__, [list(s) for s, _ in sig], calls, f * calls,
+                     _alone_ms(op, inputs, False) * calls, _alone_ms(op, inputs, True) * calls))
     rows.sort(key=lambda r: -r[0])
     print("| operator | input shapes | calls per step | GFLOP per step | ms in the step | ms alone, warm | "
           "ms alone, cold |\n|---|---|---|---|---|---|---|")

@@ -93,10 +93,11 @@ def _add_record_column(db) -> None:
 
 
 LEDGER_KINDS = ("job", "report", "sweep")  # the time ledger's rows (``RunIndex.record_timing``)
+BUSY_SECONDS = 60.0  # how long a connection waits for another process's lock (and a new index's switch to WAL)
 STALE_SECONDS = 6 * 3600.0  # a 'running' claim from another host without a heartbeat for this long is void
 
 
-def _enable_wal(db: sqlite3.Connection, timeout: float = 60.0) -> None:
+def _enable_wal(db: sqlite3.Connection, timeout: float = BUSY_SECONDS) -> None:
     """Put the index in WAL mode (kept in the file). Switching a new file to WAL takes an exclusive
     lock, and where several processes open a new store at once SQLite answers the others' switch with
     "database is locked" at once, without waiting on the busy timeout (the lock upgrade would deadlock):
@@ -144,12 +145,12 @@ def connect_read_only(path: Path) -> sqlite3.Connection:
     -wal file holds commits that only a writable open would read (then a one-line StoreReadOnlyError)."""
     path = Path(path)
     if os.access(path.parent, os.W_OK):
-        db = sqlite3.connect(path, timeout=60.0, isolation_level=None)
+        db = sqlite3.connect(path, timeout=BUSY_SECONDS, isolation_level=None)
         db.execute("PRAGMA query_only=ON")
         return db
     uri = f"file:{quote(str(path.resolve()))}"
     try:
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=60.0, isolation_level=None)
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=BUSY_SECONDS, isolation_level=None)
         db.execute("PRAGMA schema_version")  # SQLite opens the file here: on read-only media this may fail
         return db
     except sqlite3.OperationalError:
@@ -159,7 +160,7 @@ def connect_read_only(path: Path) -> sqlite3.Connection:
         raise StoreReadOnlyError(
             f"store {str(path.parent)!r} is read-only and its index has commits in {wal.name} that SQLite reads "
             "only with write access: open it once where it can be written (e.g. `softprior store verify` there)")
-    return sqlite3.connect(f"{uri}?immutable=1", uri=True, timeout=60.0, isolation_level=None)
+    return sqlite3.connect(f"{uri}?immutable=1", uri=True, timeout=BUSY_SECONDS, isolation_level=None)
 
 
 class RunIndex:
@@ -181,11 +182,11 @@ class RunIndex:
             if self.read_only:
                 db = connect_read_only(self.root / "index.sqlite")
             else:
-                db = sqlite3.connect(self.root / "index.sqlite", timeout=60.0, isolation_level=None)
+                db = sqlite3.connect(self.root / "index.sqlite", timeout=BUSY_SECONDS, isolation_level=None)
         except sqlite3.Error as e:
             raise StoreError(f"cannot open the index of store {str(self.root)!r}: {e}") from None
         try:
-            db.execute("PRAGMA busy_timeout=60000")
+            db.execute(f"PRAGMA busy_timeout={int(BUSY_SECONDS * 1000)}")
             if not self.read_only:
                 _enable_wal(db)
             db.row_factory = sqlite3.Row
