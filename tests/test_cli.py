@@ -431,3 +431,16 @@ def test_ray_executor_without_ray_is_said_before_anything_runs(tmp_path, capsys,
                        "--store", str(tmp_path / "s"), "--out", str(tmp_path / "o"))
     assert_usage_error(rc, out, err, "--executor ray", "pip install 'softprior[ray]'")
     assert not (tmp_path / "o").exists()
+
+
+def test_python_m_softprior_cli_reports_our_errors_in_one_line(tmp_path):
+    """``python -m softprior.cli`` (how the tests and a sweep's workers start the CLI) sorts errors as the
+    ``softprior`` command does: a CliError is one line and exit 2, not a traceback of an unexpected
+    error (the module run as __main__ is a second copy, with a CliError of its own)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "softprior.cli", "report", "timings", "--store", str(tmp_path / "s"),
+                        "--until", "last week"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "--until must be an ISO 8601 time" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -983,5 +983,6 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m softprior.cli: run the package's module, not this __main__ copy of it,
+    from softprior.cli import main as _main  # whose CliError main() would not know as one of ours
+    sys.exit(_main())
