@@ -176,6 +176,24 @@ def test_tasks_lists_names(capsys):
         assert name in out
 
 
+def test_tasks_shows_the_registered_values_a_run_uses(capsys):
+    """The options a run gets (the shipped pre-registered calibration), not the config defaults."""
+    from softprior.records import default_options
+    rc, out, _ = cli(capsys, "tasks")
+    assert rc == 0
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    for task in ("assoc_recall", "markov", "linear_icl"):
+        cfg = make_run_config(task).task  # what `softprior train --task TASK` trains on
+        registered, _ = default_options(task)
+        assert registered, task
+        for key in registered:
+            assert f"{key}={getattr(cfg, key)!r}" in lines[task], (task, key)
+    # the registered associative recall: 6 pairs, 10 keys drawn with replacement, one pool of tokens
+    ar = lines["assoc_recall"]
+    assert "n_pairs=6 (default 10)" in ar and "keys='replacement' (default 'distinct')" in ar
+    assert "layout='pool' (default 'disjoint')" in ar and "vocab=32," in ar  # an unchanged one: no default beside
+
+
 # ------------------------------------------------------------------ bad input: exit 2, one line, no traceback
 @pytest.mark.parametrize("args,named", [
     (["--task", "sorting"], ["sorting", "assoc_recall"]),
@@ -186,6 +204,9 @@ def test_tasks_lists_names(capsys):
     (["--steps", "-1"], ["-1", "--steps"]),
     (["--steps", "0"], ["--steps"]),
     (["--seed", "-3"], ["seed", "-3"]),
+    # an unknown task option lists the valid ones
+    (["--task-opt", "n_pair=4"], ["'n_pair'", "assoc_recall", "n_pairs", "n_keys", "repeat_target"]),
+    (["--task", "markov", "--task-opt", "n_pairs=3"], ["'n_pairs'", "markov", "p, vocab, loss_on, query, answer"]),
 ])
 def test_train_bad_input(tmp_path, capsys, args, named):
     rc, out, err = cli(capsys, "train", *args, "--store", str(tmp_path / "s"), "--json", "--no-progress")

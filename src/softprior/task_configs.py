@@ -120,23 +120,34 @@ TASK_CONFIGS = {"assoc_recall": (AssocRecallConfig, "key/value pairs then a quer
 def task_config(name: str, **overrides):
     if name not in TASK_CONFIGS:
         raise UnknownTaskError(f"unknown task {name!r}; allowed: {', '.join(TASK_CONFIGS)}")
-    return TASK_CONFIGS[name][0](**overrides)
+    cls = TASK_CONFIGS[name][0]
+    valid = [k for k in cls.model_fields if k != "name"]
+    unknown = [k for k in overrides if k not in valid]
+    if unknown:
+        raise UnknownTaskError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                               f"for task {name}; valid options: {', '.join(valid)}")
+    return cls(**overrides)
 
 
-def _options(cls) -> str:
+def _options(cls, cfg=None) -> str:
+    """Each option of ``cls`` as name=value {choices}: the value ``cfg`` holds (a registered calibration,
+    what a run uses) with the config default beside it where they differ, or the default."""
     out = []
     for name, f in cls.model_fields.items():
         if name == "name":
             continue
         choices = getattr(f.annotation, "__args__", None)
         lit = f" {{{'|'.join(map(str, choices))}}}" if choices and all(isinstance(x, str) for x in choices) else ""
-        out.append(f"{name}={f.default!r}{lit}")
+        value = getattr(cfg, name) if cfg is not None else f.default
+        differs = f" (default {f.default!r})" if value != f.default else ""
+        out.append(f"{name}={value!r}{differs}{lit}")
     return ", ".join(out)
 
 
 def describe_tasks(defaults=None) -> list[tuple[str, str]]:
-    """(name, text) per task: what it is, its options (default [choices]), and the Bayes ceiling of
-    its registered default where it has a closed form (``defaults``: task -> task options)."""
+    """(name, text) per task: what it is, its options (``_options``: the registered value a run uses,
+    ``defaults``: task -> task options, with the config default beside it where it differs, and
+    {choices}), and the Bayes ceiling of its registered default where it has a closed form."""
     rows = []
     for name, (cls, desc) in TASK_CONFIGS.items():
         cfg = cls(**((defaults or {}).get(name, {})))
@@ -147,5 +158,8 @@ def describe_tasks(defaults=None) -> list[tuple[str, str]]:
                     "ceiling of the default: Monte Carlo (`softprior tasks --ceilings`)")
         else:
             ceil = "references: least squares, Bayes ridge, one GD step (`softprior tasks --ceilings`)"
-        rows.append((name, f"{desc}; {ceil}; options: {_options(cls)}"))
+        given = (defaults or {}).get(name)
+        head = "options (the registered value a run uses; the config default beside it where it differs)" \
+            if given else "options"
+        rows.append((name, f"{desc}; {ceil}; {head}: {_options(cls, cfg if given else None)}"))
     return rows
