@@ -246,7 +246,8 @@ def model_forward(model, inputs: torch.Tensor, gate_pos=None, gate_content=None,
                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """``model(inputs, gate_pos, gate_content, positions=positions)`` for one run: through
     ``fast_forward`` when it supports the model and no hooks are active, else the readable model."""
-    if positions is None or not supports(model.cfg) or model.hook_state.active:
+    beyond = model.cfg.pos_beyond != "clip" and inputs.shape[1] > model.cfg.n_ctx  # _geometry clips offsets
+    if positions is None or not supports(model.cfg) or model.hook_state.active or beyond:
         return model(inputs, gate_pos, gate_content, positions=positions)
     gp, gc = model.gates(gate_pos, gate_content)
     return fast_forward(stacked_params(model), model.cfg, inputs, gp[None], gc[None], positions)[0]
@@ -355,9 +356,19 @@ def _layer_norm(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], eps=1e-5)
 
 
+def _bmv(A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A @ x for each of K runs (A [K, m, n], x [K, n, 1] -> [K, m, 1]), one ``bmm`` per run: a batch of
+    one matrix-vector product takes another BLAS kernel (a gemv) than a batch of K (measured: the last
+    bits differ), so a run grouped with others would round differently from the same run alone.
+    Per run, every run computes exactly what it computes alone (docs/DESIGN.md, "Bit-identity")."""
+    if A.shape[0] == 1:
+        return torch.bmm(A, x)
+    return torch.cat([torch.bmm(a, b) for a, b in zip(A.split(1), x.split(1))])
+
+
 def _proj(n: torch.Tensor, W: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor) -> torch.Tensor:
     """LN(x) W^T with the LayerNorm affine folded into W (point 1): n [K, N, d], W [K, m, d] -> [K, N, m]."""
-    return torch.baddbmm((W @ ln_b[:, :, None]).transpose(1, 2), n, (W * ln_w[:, None, :]).transpose(1, 2))
+    return torch.baddbmm(_bmv(W, ln_b[:, :, None]).transpose(1, 2), n, (W * ln_w[:, None, :]).transpose(1, 2))
 
 
 def _take(x: torch.Tensor, pos: tuple[int, ...]) -> torch.Tensor:
@@ -457,7 +468,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             w = 2 * e + dh
             Wp = W_p * scale[:, :, None]
             Wn = (Wp * ln_w[:, None, :]).view(K, H, w, d)
-            bn = torch.bmm(Wp, ln_b[:, :, None]).view(K, H, w)  # each row applied to the LN bias
+            bn = _bmv(Wp, ln_b[:, :, None]).view(K, H, w)  # each row applied to the LN bias
             n4 = _layer_norm(x).view(K, B, T, d)
             qa = torch.baddbmm(bn.view(K, 1, H * w), _take(n4, pos).reshape(K, B * P, d),
                                Wn.view(K, H * w, d).transpose(1, 2))  # [K, B*P, H*w]: all rows, P positions
@@ -484,7 +495,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             nbar = nbar.view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
             W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
             M = torch.matmul(W_o, Wn[:, :, 2 * e:])  # [K, H, d, d] = W_O,h W_V,h (LN weight folded)
-            c = torch.bmm(W_out, bn[:, :, 2 * e:].reshape(K, d, 1))  # [K, d, 1] = W_O W_V b
+            c = _bmv(W_out, bn[:, :, 2 * e:].reshape(K, d, 1))  # [K, d, 1] = W_O W_V b
             xq = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
             x = torch.baddbmm(xq + c.transpose(1, 2), nbar, M.permute(0, 1, 3, 2).reshape(K, H * d, d))
     if not few:

@@ -10,7 +10,8 @@ causal NoPE attention-only Transformer. Attention logits of head h (the paper's 
 then the causal mask, then softmax.
 
 - B^pos is a learned table over relative offsets 0..n_ctx-1 per head and layer. Offsets at or beyond
-  n_ctx (only at evaluation lengths > n_ctx) are clipped to the last learned offset.
+  n_ctx (only at evaluation lengths > n_ctx) are clipped to the last learned offset, or carry no bias
+  (``pos_beyond="zero"``): the paper does not say (its soft_bias at T = 120, Sec. 4, is evidence).
 - B^content is a learned rank-r bilinear form of the two tokens' LayerNorm-ed residual vectors:
   B^content_h(x_i, x_j) = (x_i U_h) . (x_j V_h), U_h, V_h in R^{d x r}.
 - Gates g_pos, g_content are separate; each is either learned (sigmoid of a logit) or forced to a
@@ -166,8 +167,12 @@ class Attention(nn.Module):
         if self.scheme is not None:
             q, k = self.scheme.rotate(q, k, qpos, kpos)
 
-        offsets = (qpos[:, None] - kpos[None, :]).clamp(0, cfg.n_ctx - 1)  # (Tq, T)
-        b_pos = hk(pre + "hook_pos_bias", self.pos_bias[:, offsets])  # (H, Tq, T)
+        rel = qpos[:, None] - kpos[None, :]
+        offsets = rel.clamp(0, cfg.n_ctx - 1)  # (Tq, T)
+        b_pos = self.pos_bias[:, offsets]
+        if cfg.pos_beyond == "zero" and T > cfg.n_ctx:  # offsets the table never learned carry no bias
+            b_pos = b_pos.masked_fill(rel >= cfg.n_ctx, 0.0)
+        b_pos = hk(pre + "hook_pos_bias", b_pos)  # (H, Tq, T)
         u = u.view(B, Tq, H, r).transpose(1, 2)  # (B, H, Tq, r)
         w = w.view(B, T, H, r).transpose(1, 2)  # (B, H, T, r)
         b_content = None  # None: B^content folded into the QK matmul below

@@ -29,7 +29,8 @@ class ModelConfig(BaseModel):
     vocab: int = Field(32, ge=2, description="token vocabulary (token tasks)")
     d_in: int | None = Field(None, ge=1, description="vector input size (linear ICL); None for tokens")
     d_out: int | None = Field(None, ge=1, description="vector output size (linear ICL); None for tied unembedding")
-    content_rank: int = Field(2, ge=1, description="rank r of the bilinear content bias")
+    content_rank: int = Field(2, ge=0, description="rank r of the bilinear content bias (0: no content bias, "
+                              "so the content gate gates nothing and the model adds no parameters for it)")
     gate_granularity: Literal["shared", "layer", "head"] = "shared"
     gate_logit_init: float = 0.0
     embed_init_std: float = Field(1.0, gt=0, description="std of the token embedding (PyTorch's default is 1.0)")
@@ -40,8 +41,13 @@ class ModelConfig(BaseModel):
     prior_layers: tuple[int, ...] = (0,)
     prior_scale: float = 1.0
     prior_cap: float = Field(8.0, gt=0, description="bound on |B| for prior_init='bounded'")
+    pos_beyond: Literal["clip", "zero"] = Field(
+        "clip", description="B^pos at offsets >= n_ctx (evaluation lengths only): the last learned offset's "
+        "value (clip) or no bias (zero)")
     prior: bool = Field(True, description="False: no soft prior (gates always 0), for static baselines")
     positional: str = Field("none", description="static positional scheme (softprior.positional), or none")
+    prior_family: str = Field("soft", description="the prior's B^pos family (softprior.priors): soft, the paper's "
+                              "table, or a registered one")
 
     @model_validator(mode="before")
     @classmethod
@@ -59,6 +65,9 @@ class ModelConfig(BaseModel):
         from .positional import SCHEMES
         if self.positional != "none" and self.positional not in SCHEMES:
             raise ValueError(f"unknown positional scheme {self.positional!r}; allowed: none, {', '.join(SCHEMES)}")
+        if self.prior_family != "soft":
+            from .priors import prior_family
+            prior_family(self.prior_family)  # UnknownPriorError (a ValueError) names the allowed families
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         bad = [l for l in self.prior_layers if not 0 <= l < self.n_layers]

@@ -55,9 +55,10 @@ __all__ = ["calibration_key", "shipped_records", "all_shipped_records", "find_re
            "read_record", "shipped_files", "late_record_reason", "needs_record", "record_keys", "git_clock_problems",
            "HASH_SCHEME"]
 
-DIFFICULTY_PATHS = {"unforced", "forced_zero"}
+# identification rows' paths (tiers.py): a constant or learned gate, or no prior; they need no record
+DIFFICULTY_PATHS = {"unforced", "forced_zero", "forced_const0.5", "soft_pos_only", "soft_content_only"}
 _INIT_FIELDS = ("embed_init_std", "content_rank", "content_init_std", "gate_granularity", "gate_logit_init",
-                "prior_init", "prior_layers", "prior_scale", "prior_cap")
+                "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "prior_family")
 _ROW_FIELDS = {"p"}  # task options that differ between the rows of one candidate
 
 HASH_SCHEME = 2  # the scheme calibration.record.make_record writes
@@ -72,7 +73,7 @@ LATER_DEFAULTS = {
     "task": {"layout": "disjoint", "n_queries": 1, "loss_on": ("last", "final"), "placement": "packed",
              "query": "distinct", "n_points": None, "keys": "distinct", "repeat_target": "uniform",
              "answer": "successor", "format": "interleaved", "w_scale": "unit", "noise": 0.0},
-    "model": {"prior_cap": 8.0},
+    "model": {"prior_cap": 8.0, "pos_beyond": "clip", "prior_family": "soft"},
 }
 
 
@@ -213,8 +214,12 @@ def record_keys(rec: dict) -> set[str]:
 
 
 def needs_record(cfg) -> bool:
-    return (cfg.path.name not in DIFFICULTY_PATHS and cfg.model.prior and cfg.model.positional == "none"
-            and cfg.task.name in ("assoc_recall", "markov", "linear_icl"))
+    """Whether ``cfg`` is a prediction row of the soft-prior model (any prior family): a path other
+    than the difficulty rows, with the prior on and no static scheme. Of every registered task: a run
+    config's task is validated by the task registry (``task_configs.TASK_SPECS``), so a task a plugin
+    registers needs a record as the paper's three do (this module imports nothing of the package, so
+    it does not name the tasks, nor asks the registry again)."""
+    return cfg.path.name not in DIFFICULTY_PATHS and cfg.model.prior and cfg.model.positional == "none"
 
 
 def late_record_reason(run_id: str) -> str:

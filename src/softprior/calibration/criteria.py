@@ -41,13 +41,15 @@ class Criterion(BaseModel):
 
     name: str
     row: Row
-    gates: Literal["normal", "zero"]
+    gates: Literal["normal", "zero", "pos=0", "content=0", "T=120", "params"]  # what is read (tiers.READS)
     stat: Literal["mean", "each"] = "mean"
     target: float | None = None
     tol: float | None = None
     lo: float | None = None
     hi: float | None = None
     vs_chance: bool = Field(False, description="measure the value minus the task's (order-free) chance level")
+    scale: float | None = Field(None, gt=0, description="an identification row's unit of distance "
+                                "(tiers.PaperRow.scale): the gap is then |mean - target| / scale")
 
     @model_validator(mode="after")
     def _check(self):
@@ -77,6 +79,8 @@ class Criterion(BaseModel):
         mean = sum(xs) / len(xs)
         # target criteria: the distance from the target; bound criteria: how far outside the bounds
         gap = abs(mean - self.target) if self.target is not None and self.stat == "mean" else outside
+        if self.scale is not None and self.target is not None:  # identification: in units of the row's scale
+            gap = abs(mean - self.target) / self.scale
         return CriterionResult(self.name, outside == 0.0, gap, mean)
 
     def describe(self) -> str:
@@ -150,13 +154,24 @@ PAPER_ACCURACY: dict[str, list[tuple[Row, float]]] = {
 }
 
 
-def criteria_for(task: str) -> list[Criterion]:
-    return DIFFICULTY[task]
+def identification_criteria(task: str) -> list[Criterion]:
+    """The identification search's criteria (``tiers.py``): the per-seed difficulty criteria as hard
+    constraints, then every identification row measured on each base candidate (``PaperRow.search``)
+    as a target whose gap is its distance in units of the row's scale; it holds within ``MATCH_Z``."""
+    from ..tiers import MATCH_Z, rows_for
+    hard = [c for c in DIFFICULTY[task] if c.stat == "each"]
+    return hard + [Criterion(name=r.name, row=_row(r.source), gates=r.read, target=r.paper, tol=MATCH_Z * r.scale,
+                             scale=r.scale) for r in rows_for(task, search_only=True)]
 
 
-def difficulty_rows(task: str) -> list[Row]:
+def criteria_for(task: str, identify: bool = False) -> list[Criterion]:
+    return identification_criteria(task) if identify else DIFFICULTY[task]
+
+
+def difficulty_rows(task: str, identify: bool = False) -> list[Row]:
+    """The trained rows the criteria read (an identification search also trains forced_const0.5)."""
     out: list[Row] = []
-    for c in DIFFICULTY[task]:
+    for c in criteria_for(task, identify):
         if c.row not in out:
             out.append(c.row)
     return out

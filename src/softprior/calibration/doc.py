@@ -42,7 +42,7 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
         sp = space.model_copy(update={"model": model})
         keys += [calibration_key(cfg) for _, _, cfg in candidate_configs(sp, c.task_options, c.model_options, [0],
                                                                           rows=prediction_rows(space.task) or None)]
-    measured = {r.name: c.means.get(f"{r.row.key}|{r.gates}") for r in criteria_for(space.task)}
+    measured = {r.name: c.means.get(f"{r.row.key}|{r.gates}") for r in space.criteria()}
     measured["per_seed"] = c.values
     measured["distance"] = c.distance
     measured["formation"] = c.formation

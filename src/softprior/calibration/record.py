@@ -34,7 +34,7 @@ def make_record(space, task_options: dict, model_options: dict, keys: list[str],
     from .criteria import criteria_for
     body = {"task": space.task, "space": space.name, "space_digest": space.digest,
             "task_options": task_options, "model_options": _jsonable(model_options),
-            "keys": sorted(set(keys)), "criteria": [c.describe() for c in criteria_for(space.task)],
+            "keys": sorted(set(keys)), "criteria": [c.describe() for c in space.criteria()],
             "measured": measured, "passes": passes, "note": note,
             # the claims' predicates are registered (and hashed) before any prediction row runs
             "claims": claims_spec()}

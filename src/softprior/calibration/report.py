@@ -30,7 +30,7 @@ def choose(cands):
 
 def candidates_table(space, cands, fade: dict | None = None) -> str:
     """Markdown: one line per candidate, the difficulty rows' per-seed values, distance and status."""
-    rows = difficulty_rows(space.task)
+    rows = space.rows()
     cols = [(r, g) for r in rows for g in ("normal", "zero")]
     ref = "references (LS / Bayes / 1 GD step)" if space.task == "linear_icl" else "Bayes ceiling"
     head = (["id", "candidate (axes)", "status", "distance", ref] + [f"{r.key} {g}" for r, g in cols]
@@ -65,7 +65,7 @@ def candidate_reference(space, c) -> str:
             task = make_task(cfg.task)
             r = task.reference_mse(task.sample(2048, cfg.model.n_ctx, torch.Generator().manual_seed(0)))
             return f"{r['least_squares']:.3f} / {r['bayes']:.3f} / {r['gd_step']:.3f}"
-        vals = [ceiling(space, c.task_options, c.model_options, r)[0] for r in difficulty_rows(space.task)
+        vals = [ceiling(space, c.task_options, c.model_options, r)[0] for r in space.rows()
                 if r.path == "unforced"]
         return " / ".join(f"{v:.3f}" for v in dict.fromkeys(vals))
     except ValueError:

@@ -65,7 +65,7 @@ def candidate_configs(space: SearchSpace, t_opts: dict, m_opts: dict, seeds, row
     """Run configs of a candidate's rows at ``seeds`` (raises ValueError / ValidationError if infeasible);
     ``rows``: None for the task's difficulty rows (an empty list is no rows)."""
     out = []
-    for row in rows if rows is not None else difficulty_rows(space.task):
+    for row in rows if rows is not None else space.rows():
         for s in seeds:
             out.append((row, s, make_run_config(space.task, row.path, s, model=space.model, steps=steps,
                                                 task_options={**t_opts, **row.task}, model_options=m_opts)))
@@ -76,7 +76,7 @@ def ceiling(space: SearchSpace, t_opts: dict, m_opts: dict, row: Row | None = No
     """The Bayes ceiling (value, standard error) of a candidate's task at ``row``'s task options
     (token tasks; ``Task.bayes_accuracy``), nan for linear ICL (its references are MSEs)."""
     from ..tasks import make_task
-    row = row or difficulty_rows(space.task)[0]
+    row = row or space.rows()[0]
     cfg = candidate_configs(space, t_opts, m_opts, [0], rows=[row])[0][2]
     task = make_task(cfg.task)
     return task.bayes_accuracy() if hasattr(task, "bayes_accuracy") else (math.nan, math.nan)
@@ -105,19 +105,39 @@ def check_ceiling(space: SearchSpace, t_opts: dict, m_opts: dict) -> None:
 
 def measure(space: SearchSpace, store, t_opts: dict, m_opts: dict, seeds, steps: int | None = None):
     """Criterion results of a candidate from the stored runs: (results, means, values, formation)."""
-    crit = criteria_for(space.task)
+    crit = space.criteria()
+    extra = {(c.row.key, c.gates) for c in crit if c.gates not in ("normal", "zero")}
     values, chances, formation = {}, {}, []
     for row, s, cfg in candidate_configs(space, t_opts, m_opts, seeds, steps=steps):
         sm = store.summary(cfg.run_id)
         m = sm["metric"]
         for g in ("normal", "zero"):
             values.setdefault(f"{row.key}|{g}", []).append(sm[f"{g}_{m}"])
+        for key, read in extra:
+            if key == row.key:
+                values.setdefault(f"{row.key}|{read}", []).append(read_value(store, cfg, read))
         chances[row.key] = sm["chance"]
         if row.path == "unforced" and m == "acc" and not row.task:
             formation.append(formation_step(store.metrics(cfg.run_id)))
     results = [c.check(values[f"{c.row.key}|{c.gates}"], chances[c.row.key]) for c in crit]
     means = {k: sum(v) / len(v) for k, v in values.items()}
     return results, means, values, formation
+
+
+# the evaluations an identification row reads of a stored run (tiers.READS), beyond its summary
+_EVALS = {"pos=0": ((0.0, None), None), "content=0": ((None, 0.0), None), "T=120": (None, 120)}
+
+
+def read_value(store, cfg, read: str) -> float:
+    """One identification read of a stored run: an evaluation from its weights (``report.evaluate_cell``,
+    cached in the store like every report's), or its parameter count in thousands (no weights needed)."""
+    if read == "params":
+        from ..model import build_model
+        return build_model(cfg).n_params() / 1000.0
+    from ..cells import Cell, Eval
+    from ..report import evaluate_cell
+    gates, length = _EVALS[read]
+    return evaluate_cell(store, Cell(cfg, row=cfg.path.name), Eval(read, gates, length))
 
 
 def promising(crit: list[Criterion], results) -> bool:
@@ -195,7 +215,7 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
         study.enqueue_trial(t.params)
         study.tell(t.number, state=TrialState.FAIL)
     dists = {k: CategoricalDistribution(space.labels(k)) for k in space.axes}
-    crit = criteria_for(space.task)
+    crit = space.criteria()
     first, full = list(range(space.first_seeds)), list(range(space.seeds))
 
     def n_measured():  # distinct candidates: a sampler may propose a parameter set again

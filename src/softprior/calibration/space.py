@@ -36,7 +36,7 @@ __all__ = ["SearchSpace", "load_space", "shipped_spaces", "TASK_AXES", "MODEL_AX
 TASK_AXES = {"n_pairs", "n_keys", "layout", "n_queries", "loss_on", "placement", "query", "d", "n_points",
              "keys", "repeat_target", "answer", "format", "w_scale", "noise"}
 MODEL_AXES = {"embed_init_std", "content_rank", "content_init_std", "gate_granularity", "gate_logit_init",
-              "prior_init", "prior_layers", "prior_scale", "prior_cap"}
+              "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond"}
 
 
 class SpaceError(ValueError):
@@ -57,6 +57,8 @@ class SearchSpace(BaseModel):
     axes: dict[str, list[Any]] = Field(default_factory=dict)
     enqueue: list[dict[str, Any]] = Field(default_factory=list, description="candidates measured first "
                                           "(axis -> value; axes left out take their first value)")
+    identify: bool = Field(False, description="score candidates on the identification rows (tiers.py), the "
+                           "per-seed difficulty criteria kept as hard constraints, instead of the difficulty rows")
 
     @field_validator("base")
     @classmethod
@@ -93,7 +95,18 @@ class SearchSpace(BaseModel):
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+        d = self.model_dump(mode="json")
+        if not d["identify"]:  # added later: a difficulty space keeps its digest (and its Optuna study)
+            del d["identify"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    def criteria(self):
+        from .criteria import criteria_for
+        return criteria_for(self.task, self.identify)
+
+    def rows(self):
+        from .criteria import difficulty_rows
+        return difficulty_rows(self.task, self.identify)
 
     def labels(self, key: str) -> list[str]:
         """Optuna's categorical choices: each value's JSON text (lists such as prior_layers included)."""
