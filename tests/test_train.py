@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import math
 
 import pytest
@@ -359,3 +360,59 @@ def test_a_single_runs_checkpoint_feeds_the_analysis():
     res = train(cfg, on_checkpoint=ckpts.append)
     df = A.trace([(10, ckpts[0]["tensors"]), (20, res.state_dict)], cfg, n_examples=16)
     assert sorted(df["step"].unique()) == [10, 20]
+
+
+# a child that trains one run through the CLI and waits after its 4th step until Ctrl-C has been seen
+_CHILD = """
+import importlib, signal, sys, time
+T = importlib.import_module("softprior.train")
+step = T.Runs.step
+def waiting(self, i):
+    out = step(self, i)
+    if i == 3:
+        print("STEP 4", flush=True)
+        handler = signal.getsignal(signal.SIGINT)
+        while not getattr(getattr(handler, "__self__", None), "pending", False):
+            time.sleep(0.01)
+    return out
+T.Runs.step = waiting
+from softprior.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_writes_a_checkpoint_says_where_and_the_run_resumes_from_it(tmp_path, capsys):
+    """SIGINT during `softprior train`: the step in progress finishes, a checkpoint is written at it, the
+    one-line message names the step the run resumes from, and the same command resumes there and ends
+    bit-identical to an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+
+    from softprior.cli import main
+    from softprior.store import RunStore
+    argv = ["train", "--path", "unforced", "--steps", "12", "--threads", "1", "--no-progress", "--json"]
+    store = tmp_path / "s"
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, *argv, "--store", str(store)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "STEP 4"
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 130, err
+    said = [line for line in err.splitlines() if line.startswith("softprior:")]  # (the run's header above it)
+    assert len(said) == 1 and "Traceback" not in err, err
+    assert "softprior: interrupted: " in said[0] and "stopped after step 4 of 12" in said[0], said[0]
+    assert "resumes it from step 4" in said[0], said[0]
+    rid = said[0].split("run ")[1].split()[0]
+    ck = RunStore(store).load_checkpoint(rid)
+    assert ck is not None and ck["meta"]["step"] == 4 and ck["meta"]["interrupted"]
+    assert not RunStore(store).is_done(rid)
+    capsys.readouterr()
+    assert main([*argv, "--store", str(store)]) == 0  # resumed
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert resumed["run_id"] == rid and resumed["resumed_at"] == 4
+    assert main([*argv, "--store", str(tmp_path / "t")]) == 0  # uninterrupted
+    whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "resumed_at" not in whole and whole["normal_acc"] == resumed["normal_acc"]
+    (_, a), (_, b) = RunStore(store).load_model(rid), RunStore(tmp_path / "t").load_model(rid)
+    assert state_dicts_equal(a.state_dict(), b.state_dict())

@@ -963,8 +963,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.fn(args)
-    except KeyboardInterrupt:
-        print("softprior: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a training loop says where its runs resume (train.DeferredInterrupt)
+        print("softprior: interrupted" + (f": {_one_line(str(e))}" if str(e) else ""), file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - sorted below: ours in one line, anything else with its traceback
         code = 1 if _is(e, _FAILURES) else 2 if _is(e, _BAD_INPUT) else None

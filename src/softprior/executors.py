@@ -150,7 +150,8 @@ class _Reporter:
     """The training loop's ``on_checkpoint`` for a job whose sweep shows progress. The loop calls it at
     the first step after every ``PROGRESS_SECONDS`` (and every ``checkpoint_every`` steps); it reports
     the step (``report(step)``) and passes the checkpoint on to ``save`` only when one is due as
-    without progress: at a multiple of ``every_steps``, or ``save_seconds`` after the last one it wrote."""
+    without progress: at a multiple of ``every_steps``, ``save_seconds`` after the last one it wrote,
+    or at once when Ctrl-C stopped the loop (``meta["interrupted"]``, ``train.DeferredInterrupt``)."""
 
     def __init__(self, report: Callable, save: Callable | None, every_steps: int, save_seconds: float | None):
         self.report, self.save, self.every_steps, self.save_seconds = report, save, every_steps, save_seconds
@@ -162,7 +163,7 @@ class _Reporter:
         if self.save is None:
             return
         now = time.perf_counter()
-        if (self.every_steps and done % self.every_steps == 0) or \
+        if ck["meta"].get("interrupted") or (self.every_steps and done % self.every_steps == 0) or \
                 (self.save_seconds is not None and now - self.last >= self.save_seconds):
             self.last = now
             self.save(ck)

@@ -354,6 +354,25 @@ def _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, chec
         from tqdm.auto import tqdm
         desc = f"{c0.path.name} s{c0.seed}" if K == 1 else f"group of {K}"
         bar = tqdm(total=steps, initial=start, desc=desc, unit="step", leave=False)
+    try:
+        with DeferredInterrupt(enabled=on_checkpoint is not None) as interrupt:
+            metrics, snapshots = _loop(runs, cfgs, start, metrics, snapshots, loss_sum, n_in_window, clock,
+                                       on_checkpoint, bar, interrupt)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    seconds = round(time.perf_counter() - t0, 3)
+    n_params = runs.base.n_params()
+    return [RunResult(c, run_summary(c, task, metrics[k][-1], steps, seconds, n_params, group_size=K,
+                                     **({"resumed_at": start} if start else {})),
+                      metrics[k], runs.weights(k), snapshots[k]) for k, c in enumerate(cfgs)]
+
+
+def _loop(runs, cfgs, start, metrics, snapshots, loss_sum, n_in_window, clock, on_checkpoint, bar, interrupt):
+    """``_train_runs``'s steps from ``start``: evaluations, snapshots, checkpoints; a Ctrl-C
+    (``interrupt``) ends it after the step in progress with a checkpoint (``_stop``)."""
+    K, c0, task, steps, run_ids = runs.K, cfgs[0], runs.task, runs.steps, [c.run_id for c in cfgs]
     for step in range(start, steps):
         loss_sum += runs.step(step)
         n_in_window += 1
@@ -371,22 +390,61 @@ def _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, chec
         if c0.snapshot_every and done % c0.snapshot_every == 0:
             for k in range(K):
                 snapshots[k].append((done, runs.weights(k)))
-        if clock is not None and clock.due(done, steps):
+        stop = interrupt.pending
+        if stop or (clock is not None and clock.due(done, steps)):
             ck = checkpoint(done, runs.params, runs.opt, runs.gens, metrics, loss_sum, n_in_window)
             ck["meta"]["run_ids"] = run_ids
             if K == 1:
                 ck["snapshots"] = list(snapshots[0])
+            if stop:
+                ck["meta"]["interrupted"] = True  # saved whatever the schedule (``executors._Reporter``)
             on_checkpoint(ck)
         if bar is not None:
             bar.update(1)
-    if bar is not None:
-        bar.close()
+        if stop:
+            _stop(run_ids, done, steps)
+    return metrics, snapshots
 
-    seconds = round(time.perf_counter() - t0, 3)
-    n_params = runs.base.n_params()
-    return [RunResult(c, run_summary(c, task, metrics[k][-1], steps, seconds, n_params, group_size=K,
-                                     **({"resumed_at": start} if start else {})),
-                      metrics[k], runs.weights(k), snapshots[k]) for k, c in enumerate(cfgs)]
+
+class DeferredInterrupt:
+    """Ctrl-C (SIGINT) while a run with checkpoints trains: the step in progress finishes (a half-applied
+    optimiser step would not resume bit-identically), the loop writes a checkpoint and stops (``_stop``).
+    A second Ctrl-C interrupts at once. Only in the main thread (where Python delivers signals), and
+    only with ``enabled`` (a loop without ``on_checkpoint`` has nowhere to write)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.pending, self._prev = enabled, False, None
+
+    def __enter__(self):
+        import signal
+        import threading
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame):
+        if self.pending:
+            raise KeyboardInterrupt("interrupted again: stopped at once, without a checkpoint")
+        self.pending = True
+
+    def __exit__(self, *exc):
+        import signal
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+        return False
+
+
+def _stop(run_ids: list[str], done: int, steps: int):
+    """After Ctrl-C: the checkpoint at ``done`` is written; raise KeyboardInterrupt saying where the
+    runs resume (a pool's worker also prints it: its exception does not reach the terminal)."""
+    import multiprocessing
+    import sys
+    what = f"run {run_ids[0]}" if len(run_ids) == 1 else f"the group of {len(run_ids)} runs ({', '.join(run_ids)})"
+    msg = (f"{what} stopped after step {done} of {steps} and wrote a checkpoint there: the same command resumes it "
+           f"from step {done}")
+    if multiprocessing.parent_process() is not None:
+        print(f"softprior: interrupted: {msg}", file=sys.stderr, flush=True)
+    raise KeyboardInterrupt(msg)
 
 
 def run_summary(cfg: RunConfig, task: Task, last: dict, steps: int, seconds: float, n_params: int,
