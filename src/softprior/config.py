@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from .model_config import ModelConfig, model_preset
 from .paths import PathConfig, get_path
 from .records import LATER_DEFAULTS, default_options
-from .task_configs import TaskConfig, task_config
+from .task_configs import task_config, task_spec, validate_task_config
 
 __all__ = ["RunConfig", "make_run_config", "config_hash", "validation_message", "NON_SEMANTIC_FIELDS"]
 
@@ -52,7 +52,7 @@ def validation_message(e: Exception) -> str:
 class RunConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    task: TaskConfig
+    task: Annotated[Any, BeforeValidator(validate_task_config)]  # a registered task's config (task_configs)
     model: ModelConfig
     path: PathConfig
     seed: int = Field(0, ge=0)
@@ -72,11 +72,11 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self):
         t, m = self.task, self.model
-        if t.name == "linear_icl":
+        if task_spec(t.name).io == "vectors":
             if m.d_in != t.d_in or m.d_out != 1:
-                raise ValueError(f"model.d_in must be {t.d_in} and model.d_out 1 for linear_icl")
-            fit = m.n_ctx - 1 if t.format == "paired" else (m.n_ctx - 1) // 2
-            if t.n_points is not None and t.n_points > fit:
+                raise ValueError(f"model.d_in must be {t.d_in} and model.d_out 1 for {t.name}")
+            fit = m.n_ctx - 1 if getattr(t, "format", None) == "paired" else (m.n_ctx - 1) // 2
+            if getattr(t, "n_points", None) is not None and t.n_points > fit:
                 raise ValueError(f"task.n_points={t.n_points} does not fit in the context of {m.n_ctx} tokens "
                                  f"(at most {fit} in the {t.format} format)")
         elif m.d_in is not None or m.vocab != t.vocab:
@@ -140,7 +140,7 @@ def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "
         from .baselines import resolve_baseline
         extra, pcfg = resolve_baseline(baseline)
         model_options = {**(model_options or {}), **extra}
-    io = dict(d_in=tcfg.d_in, d_out=1) if tcfg.name == "linear_icl" else dict(vocab=tcfg.vocab)
+    io = dict(d_in=tcfg.d_in, d_out=1) if task_spec(tcfg.name).io == "vectors" else dict(vocab=tcfg.vocab)
     if isinstance(model, str):
         mcfg = model_preset(model, **{**io, **(model_options or {})})
     else:

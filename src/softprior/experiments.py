@@ -10,7 +10,6 @@ evaluations are computed from the stored weights at report time (cheap and deter
 
 from __future__ import annotations
 
-import runpy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -94,27 +93,7 @@ def list_experiments() -> list[tuple[str, str]]:
     return EXPERIMENTS.listing()
 
 
-class PluginError(ValueError):
-    pass
-
-
-def load_plugin(path: str) -> None:
-    """Execute a user's Python file that calls ``register_experiment`` / ``register_path``. A missing
-    file or any exception raised while running it (a syntax error included) becomes a one-line
-    ``PluginError`` naming the file."""
-    from pathlib import Path
-    try:
-        ok = Path(path).is_file()
-    except (OSError, ValueError):  # e.g. a NUL byte in the name
-        ok = False
-    if not ok:
-        raise PluginError(f"plugin file {str(path)!r} does not exist")
-    try:
-        runpy.run_path(str(path), run_name="softprior_plugin")
-    except Exception as e:  # noqa: BLE001 - the user's code: report it, naming the file
-        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
-        detail = " ".join(str(e.msg if isinstance(e, SyntaxError) else e).split())
-        raise PluginError(f"plugin file {str(path)!r} failed: {type(e).__name__}: {detail}{where}") from None
+from .plugins import PluginError, load_plugin  # noqa: E402,F401 - the plugin loader lives in plugins.py
 
 
 # ------------------------------------------------------------------------------------- helpers

@@ -85,8 +85,9 @@ __all__ = ["supports", "fast_forward", "stacked_params", "model_forward"]
 
 def supports(cfg: ModelConfig) -> bool:
     """Whether ``fast_forward`` computes this model (else use the readable model): no positional
-    scheme, or one the fast path implements (``_scheme_kind``)."""
-    return _scheme_kind(cfg.positional) != "unsupported"
+    scheme, or one the fast path implements (``_scheme_kind``), and the paper's own prior family
+    (``prior_family="soft"``; a registered family runs in the readable model, ``softprior.priors``)."""
+    return getattr(cfg, "prior_family", "soft") == "soft" and _scheme_kind(cfg.positional) != "unsupported"
 
 
 @lru_cache(maxsize=None)

@@ -140,6 +140,10 @@ class Attention(nn.Module):
             self.in_proj.weight[3 * d:].normal_(0.0, cfg.content_init_std)
             if cfg.prior_init != "zero" and layer in cfg.prior_layers:
                 self.pos_bias.copy_(initial_pos_bias(cfg))
+        self.prior_module = None  # a registered prior family's B^pos (softprior.priors); None: the table above
+        if cfg.prior_family != "soft":
+            from .priors import build_prior
+            self.prior_module = build_prior(cfg, layer)
 
     def forward(self, x: torch.Tensor, g_pos: torch.Tensor, g_content: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,9 +173,12 @@ class Attention(nn.Module):
 
         rel = qpos[:, None] - kpos[None, :]
         offsets = rel.clamp(0, cfg.n_ctx - 1)  # (Tq, T)
-        b_pos = self.pos_bias[:, offsets]
-        if cfg.pos_beyond == "zero" and T > cfg.n_ctx:  # offsets the table never learned carry no bias
-            b_pos = b_pos.masked_fill(rel >= cfg.n_ctx, 0.0)
+        if self.prior_module is None:
+            b_pos = self.pos_bias[:, offsets]
+            if cfg.pos_beyond == "zero" and T > cfg.n_ctx:  # offsets the table never learned carry no bias
+                b_pos = b_pos.masked_fill(rel >= cfg.n_ctx, 0.0)
+        else:  # a registered family's B^pos_h(i, j) (softprior.priors)
+            b_pos = self.prior_module.bias(qpos, kpos).to(x.dtype)
         b_pos = hk(pre + "hook_pos_bias", b_pos)  # (H, Tq, T)
         u = u.view(B, Tq, H, r).transpose(1, 2)  # (B, H, Tq, r)
         w = w.view(B, T, H, r).transpose(1, 2)  # (B, H, T, r)
@@ -181,6 +188,11 @@ class Attention(nn.Module):
             b_hooked = hk(pre + "hook_content_bias", b_c)
             if b_hooked is not b_c:  # replaced by a hook: add g_content * replacement instead of folding
                 b_content = b_hooked
+        family_content = getattr(self.prior_module, "content_bias", None)
+        if b_content is None and family_content is not None:  # a family that replaces B^content
+            b_fam = family_content(xq, x)
+            if b_fam is not None:
+                b_content = hk(pre + "hook_content_bias", b_fam)
         causal = torch.zeros(Tq, T, device=dev).masked_fill_(qpos[:, None] < kpos[None, :], float("-inf"))
 
         # The paper's equation  S = Q K^T / sqrt(d_head) + g_pos B^pos + g_content B^content,  with

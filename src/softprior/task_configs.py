@@ -2,24 +2,65 @@
 in ``tasks.py``), validated by pydantic. Kept apart from ``tasks.py`` so that configs, run ids and
 ``softprior tasks`` need no torch. ``AssocRecallConfig.ceiling`` is the associative-recall Bayes
 ceiling in closed form (``tasks.AssocRecall.bayes_accuracy`` derives it).
+
+**The task registry** (``TASK_SPECS``, ``register_task``, ``task_spec``) lives here too, below the
+configs: one ``TaskSpec`` per task, the one place that names the tasks (docs/STUDY.md, "Your own prior
+or task"). An entry carries
+
+- ``config``: its pydantic config class (a ``TaskConfigBase`` whose ``name`` field is ``Literal[<name>]``);
+  a run config's ``task`` is validated by the entry its ``name`` picks (``validate_task_config``);
+- ``generator``: its ``tasks.Task`` subclass (the batch generator, loss, metric "acc" or "mse", chance
+  level, and ``bayes_accuracy`` where the task has a Bayes ceiling), or ``"module:Class"`` for the
+  built-ins, so that configs and run ids need no torch;
+- ``io``: "tokens" (the model's vocabulary is the config's ``vocab``) or "vectors" (``d_in``, one output);
+- ``difficulty``: its difficulty criteria (``calibration.criteria.Criterion`` objects or their dicts);
+  None for the built-ins, whose criteria are declared in ``calibration/criteria.py`` (``DIFFICULTY``);
+- ``identification``: further criteria (rows a search measures beside the difficulty rows), where any;
+- ``space``: its calibration search space (``calibration.space.SearchSpace`` fields as a dict, or a
+  .toml / .json file); None for the built-ins, whose spaces ship in ``calibration/spaces/<name>.toml``;
+- ``axes``: the config fields a search may vary (None: every field but ``name``);
+- ``answer_mask``: for the mechanism trace, ``fn(task, batch) -> [B, T] bool`` marking the context
+  position(s) that hold the answer (``analysis.answer_mask``), or None.
+
+Adding a task is one file: a config (subclass ``TaskConfigBase``), a generator (subclass
+``tasks.Task``) and a ``register_task`` call, loaded with ``--plugin FILE`` (``softprior.plugins``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .registry import Registry
+
 __all__ = ["AssocRecallConfig", "MarkovConfig", "LinearICLConfig", "TaskConfig", "UnknownTaskError",
-           "TASK_CONFIGS", "task_config", "describe_tasks"]
+           "TASK_CONFIGS", "task_config", "describe_tasks", "TaskConfigBase", "TaskSpec", "TASK_SPECS",
+           "register_task", "task_spec", "validate_task_config"]
 
 
 class UnknownTaskError(ValueError):
     pass
 
 
-class _TaskBase(BaseModel):
+class TaskConfigBase(BaseModel):
+    """The base of every task config: frozen, no unknown fields, and pickled by value through the
+    registry (``_rebuild_task``), so a plugin task's config reaches a spawned worker process, which
+    loads the plugin file to rebuild it (``softprior.plugins``)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __reduce__(self):
+        return _rebuild_task, (self.name, self.model_dump(mode="json"))
+
+
+def _rebuild_task(name: str, data: dict):
+    return task_spec(name).config.model_validate(data)
+
+
+_TaskBase = TaskConfigBase
 
 
 class AssocRecallConfig(_TaskBase):
@@ -112,15 +153,8 @@ class LinearICLConfig(_TaskBase):
 TaskConfig = Annotated[Union[AssocRecallConfig, MarkovConfig, LinearICLConfig], Field(discriminator="name")]
 
 
-TASK_CONFIGS = {"assoc_recall": (AssocRecallConfig, "key/value pairs then a query key; predict its value (acc)"),
-                "markov": (MarkovConfig, "Markov induction: per-sequence successor map, repeat prob p (acc)"),
-                "linear_icl": (LinearICLConfig, "in-context linear regression, Garg et al. 2022 (query MSE / E[y^2])")}
-
-
 def task_config(name: str, **overrides):
-    if name not in TASK_CONFIGS:
-        raise UnknownTaskError(f"unknown task {name!r}; allowed: {', '.join(TASK_CONFIGS)}")
-    cls = TASK_CONFIGS[name][0]
+    cls = task_spec(name).config
     valid = [k for k in cls.model_fields if k != "name"]
     unknown = [k for k in overrides if k not in valid]
     if unknown:
@@ -156,6 +190,8 @@ def describe_tasks(defaults=None) -> list[tuple[str, str]]:
         elif name == "markov":
             ceil = ("ceiling of the default 1.0 (answer='recent')" if cfg.answer == "recent" else
                     "ceiling of the default: Monte Carlo (`softprior tasks --ceilings`)")
+        elif TASK_SPECS[name].plugin is not None:
+            ceil = f"from plugin {TASK_SPECS[name].plugin}"
         else:
             ceil = "references: least squares, Bayes ridge, one GD step (`softprior tasks --ceilings`)"
         given = (defaults or {}).get(name)
@@ -163,3 +199,109 @@ def describe_tasks(defaults=None) -> list[tuple[str, str]]:
             if given else "options"
         rows.append((name, f"{desc}; {ceil}; {head}: {_options(cls, cfg if given else None)}"))
     return rows
+
+
+# ============================================================================ the task registry
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task's entry (module docstring)."""
+    name: str
+    config: type
+    generator: Any  # a tasks.Task subclass, or "module:Class"
+    description: str
+    io: Literal["tokens", "vectors"] = "tokens"
+    difficulty: tuple | None = None
+    identification: tuple = ()
+    space: dict | str | None = None
+    axes: tuple[str, ...] | None = None
+    answer_mask: Callable | None = None
+    plugin: str | None = None  # the file that registered it (None: built in)
+
+    def task_class(self) -> type:
+        """The generator class (imported on first use for the built-ins)."""
+        if isinstance(self.generator, str):
+            mod, _, attr = self.generator.partition(":")
+            return getattr(importlib.import_module(mod), attr)
+        return self.generator
+
+    @property
+    def search_axes(self) -> tuple[str, ...]:
+        """The config fields a calibration search may vary."""
+        return self.axes if self.axes is not None else tuple(k for k in self.config.model_fields if k != "name")
+
+
+TASK_SPECS: Registry[TaskSpec] = Registry("task", UnknownTaskError, describe=lambda e: e.description)
+
+
+def register_task(name: str, *, config: type, generator, description: str, io: str = "tokens",
+                  difficulty=None, identification=(), space=None, axes=None, answer_mask=None,
+                  overwrite: bool = False) -> TaskSpec:
+    """Register a task (module docstring). Refuses a config class that is not a ``TaskConfigBase``
+    (its instances must reach worker processes) or whose ``name`` does not default to ``name``."""
+    from .plugins import current_plugin
+    if not (isinstance(config, type) and issubclass(config, TaskConfigBase)):
+        raise TypeError(f"task {name!r}: config must subclass softprior.task_configs.TaskConfigBase")
+    field = config.model_fields.get("name")
+    if field is None or field.default != name:
+        raise ValueError(f"task {name!r}: its config's 'name' field must default to {name!r} (Literal[{name!r}])")
+    if io not in ("tokens", "vectors"):
+        raise ValueError(f"task {name!r}: io must be 'tokens' or 'vectors', got {io!r}")
+    if io == "tokens" and "vocab" not in config.model_fields:
+        raise ValueError(f"task {name!r}: a token task's config needs a 'vocab' field (the model's vocabulary)")
+    spec = TaskSpec(name, config, generator, description, io, None if difficulty is None else tuple(difficulty),
+                    tuple(identification), space, None if axes is None else tuple(axes), answer_mask, current_plugin())
+    return TASK_SPECS.register(name, spec, overwrite=overwrite)
+
+
+def task_spec(name: str) -> TaskSpec:
+    """The entry of task ``name``. A name not registered in this process is looked for in the plugin
+    files it was started with (``plugins.load_noted_plugins``: a worker process) before
+    ``UnknownTaskError``."""
+    if name not in TASK_SPECS:
+        from .plugins import load_noted_plugins
+        load_noted_plugins()
+    return TASK_SPECS[name]
+
+
+def validate_task_config(value):
+    """A run config's ``task``: a registered task's config instance as is; a dict by its ``name``."""
+    if isinstance(value, dict):
+        name = value.get("name")
+        if not isinstance(name, str):
+            raise ValueError("a task needs a 'name' (a registered task)")
+        try:
+            spec = task_spec(name)
+        except UnknownTaskError as e:
+            raise ValueError(str(e)) from None
+        return spec.config.model_validate(value)
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and name in TASK_SPECS and isinstance(value, TASK_SPECS[name].config):
+        return value
+    raise ValueError(f"not a registered task's config: {type(value).__name__} (softprior.task_configs.register_task)")
+
+
+class _ConfigView(Mapping):
+    """``TASK_CONFIGS``: name -> (config class, description), read from the registry (plugins included)."""
+
+    def __getitem__(self, name):
+        spec = TASK_SPECS[name]
+        return spec.config, spec.description
+
+    def __iter__(self):
+        return iter(TASK_SPECS)
+
+    def __len__(self):
+        return len(TASK_SPECS)
+
+    def __contains__(self, name):
+        return name in TASK_SPECS
+
+
+TASK_CONFIGS = _ConfigView()
+
+register_task("assoc_recall", config=AssocRecallConfig, generator="softprior.tasks:AssocRecall",
+              description="key/value pairs then a query key; predict its value (acc)")
+register_task("markov", config=MarkovConfig, generator="softprior.tasks:Markov",
+              description="Markov induction: per-sequence successor map, repeat prob p (acc)")
+register_task("linear_icl", config=LinearICLConfig, generator="softprior.tasks:LinearICL", io="vectors",
+              description="in-context linear regression, Garg et al. 2022 (query MSE / E[y^2])")

@@ -1,5 +1,7 @@
 """The paper's three tasks (Sec. 4), each a seeded batch generator with a loss, a metric and a
 stated chance level. Generators take an explicit ``torch.Generator``; no global random state.
+Every task, these three and any a plugin registers, has one entry in the task registry
+(``task_configs.TASK_SPECS``, also ``TASKS`` here); ``make_task`` builds a config's generator from it.
 
 Associative recall (our own generator, in the spirit of zoology's MQAR):
     [PAD ... PAD, k1 v1 k2 v2 ... kn vn, q]  ->  target v_i where k_i = q.
@@ -81,9 +83,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .registry import Registry
-from .task_configs import (TASK_CONFIGS, AssocRecallConfig, LinearICLConfig, MarkovConfig, TaskConfig,  # noqa: F401
-                           UnknownTaskError, task_config)
+from .task_configs import (TASK_CONFIGS, TASK_SPECS, AssocRecallConfig, LinearICLConfig, MarkovConfig,  # noqa: F401
+                           TaskConfig, UnknownTaskError, task_config, task_spec)
 
 __all__ = ["AssocRecallConfig", "MarkovConfig", "LinearICLConfig", "TaskConfig", "Batch", "Task",
            "make_task", "TASKS", "list_tasks", "UnknownTaskError"]
@@ -509,14 +510,12 @@ class LinearICL(Task):
         return LinearICL(LinearICLConfig(d=d)).reference_mse(batch)["least_squares"]
 
 
-_TASK_CLASSES = {"assoc_recall": AssocRecall, "markov": Markov, "linear_icl": LinearICL}
-TASKS = Registry("task", UnknownTaskError, {  # name -> (config class, task class, description)
-    name: (cls, _TASK_CLASSES[name], desc) for name, (cls, desc) in TASK_CONFIGS.items()
-}, describe=lambda entry: entry[2])
+TASKS = TASK_SPECS  # the task registry (``task_configs``): name -> TaskSpec
 
 
 def make_task(cfg) -> Task:
-    return TASKS[cfg.name][1](cfg)
+    """The generator of a task config, by its registry entry (``task_configs.task_spec``)."""
+    return task_spec(cfg.name).task_class()(cfg)
 
 
 def list_tasks() -> list[tuple[str, str]]:
