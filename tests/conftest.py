@@ -27,7 +27,8 @@ def record_progress(monkeypatch) -> list[tuple[int, int, int]]:
 
     def recording(self):
         redraw(self)
-        states.append((self.bar.n, self.bar.total, self.finished))
+        if self.bar is not None:  # (none drawn while there is nothing to train)
+            states.append((self.bar.n, self.bar.total, self.finished))
     monkeypatch.setattr(ex._Progress, "_redraw", recording)
     return states
 

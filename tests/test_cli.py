@@ -465,3 +465,24 @@ def test_python_m_softprior_cli_reports_our_errors_in_one_line(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "--until must be an ISO 8601 time" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_cached_rerun_draws_no_empty_bar_and_wrote_names_every_file(tmp_path, capsys):
+    """`reproduce NAME` again on a full store: no sweep bar at 0/0 run-steps, and the "wrote" line names
+    every file the report wrote (curves.png and formation.csv too), the first time and the second."""
+    plugin = tmp_path / "rerun.py"
+    plugin.write_text("from softprior.experiments import Experiment, Cell, register_experiment\n"
+                      "from softprior.config import make_run_config\n"
+                      "register_experiment(Experiment('rerun_demo', 'two paths', lambda o: "
+                      "[Cell(make_run_config('assoc_recall', p, 0, steps=12, eval_every=6, n_val=32, batch_size=8, "
+                      "calibrated=False), row=p) for p in ('unforced', 'forced_zero')], curves=True))\n")
+    argv = ["reproduce", "rerun_demo", "--plugin", str(plugin), "--store", str(tmp_path / "s"), "--out",
+            str(tmp_path / "out"), "--exploratory"]
+    for attempt in ("trains", "cached"):
+        rc, _, err = cli(capsys, *argv)
+        assert rc == 0, err
+        assert ("sweep:" in err) == (attempt == "trains"), err  # the bar only when something trains
+        wrote = next(line for line in err.splitlines() if line.startswith("wrote "))
+        named = set(wrote.split(": ", 1)[1].split(", "))
+        on_disk = {p.name for p in (tmp_path / "out").iterdir()}
+        assert named == on_disk and {"curves.png", "formation.csv", "figure.png"} <= named, (wrote, on_disk)

@@ -165,16 +165,26 @@ def _record_report(store, name: str, started: float, seconds: float, runs: int) 
         print(f"softprior: the time ledger could not record report {name!r}: {e}", file=sys.stderr)
 
 
+def _files_written(out: Path, before: dict) -> list[str]:
+    """The files under ``out`` created or rewritten since ``before`` (``_stamps``), by path under ``out``."""
+    return sorted(k for k, v in _stamps(out).items() if before.get(k) != v)
+
+
+def _stamps(out: Path) -> dict[str, int]:
+    return {p.relative_to(out).as_posix(): p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} \
+        if out.is_dir() else {}
+
+
 def _write_report(args, exp, cells, store) -> None:
     from .report import splice_into_doc, write_report
-    out = args.out or f"results/{exp.name}"
-    started, t0 = time.time(), time.perf_counter()
+    out = Path(args.out or f"results/{exp.name}")
+    started, t0, before = time.time(), time.perf_counter(), _stamps(out)
     md = write_report(store, exp, cells, out, exploratory=args.exploratory)
     _record_report(store, exp.name, started, time.perf_counter() - t0, len(cells))
     if args.doc:
         splice_into_doc(args.doc, exp.name, md)
     print(md)
-    print(f"wrote {out}/table.md, table.csv, figure.png" + (f"; updated {args.doc}" if args.doc else ""),
+    print(f"wrote {out}/: {', '.join(_files_written(out, before))}" + (f"; updated {args.doc}" if args.doc else ""),
           file=sys.stderr)
 
 

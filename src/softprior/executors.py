@@ -500,13 +500,11 @@ class _Progress:
     redraws, so the timer moves on every poll."""
 
     def __init__(self, cfgs: list[RunConfig]):
-        from tqdm.auto import tqdm
         self.runs: dict[str, _RunProgress] = {}
         self.jobs: dict[tuple, int] = {}  # a job in flight (its run ids) -> the step it started at
         self.finished = self.failed = 0
         self.samples: collections.deque = collections.deque()  # (time, work done), from the first step trained
-        self.bar = tqdm(total=0, desc="sweep", dynamic_ncols=True,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} run-steps [{elapsed}{postfix}]")
+        self.bar = None  # drawn with the first run to train: a sweep with nothing to train (cached) draws none
         self.add(cfgs)
 
     def add(self, cfgs) -> None:
@@ -562,6 +560,12 @@ class _Progress:
         self._redraw()
 
     def _redraw(self) -> None:
+        if self.bar is None:
+            if not self.runs:
+                return
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=0, desc="sweep", dynamic_ncols=True,
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} run-steps [{elapsed}{postfix}]")
         now, runs = time.perf_counter(), self.runs.values()
         done, total = sum(r.done for r in runs), sum(r.to_train for r in runs)
         work_done, work_total = sum(r.done * r.cost for r in runs), sum(r.to_train * r.cost for r in runs)
@@ -579,7 +583,8 @@ class _Progress:
         self.bar.refresh()
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ------------------------------------------------------------------------------------ driver
