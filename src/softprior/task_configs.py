@@ -19,8 +19,9 @@ or task"). An entry carries
 - ``space``: its calibration search space (``calibration.space.SearchSpace`` fields as a dict, or a
   .toml / .json file); None for the built-ins, whose spaces ship in ``calibration/spaces/<name>.toml``;
 - ``axes``: the config fields a search may vary (None: every field but ``name``);
-- ``answer_mask``: for the mechanism trace, ``fn(task, batch) -> [B, T] bool`` marking the context
-  position(s) that hold the answer (``analysis.answer_mask``), or None.
+
+(The mechanism trace's successor-value mass reads a generator's ``answer_mask(batch) -> [B, T] bool``,
+the context position(s) holding the answer, where it defines one: ``analysis.answer_mask``.)
 
 Adding a task is one file: a config (subclass ``TaskConfigBase``), a generator (subclass
 ``tasks.Task``) and a ``register_task`` call, loaded with ``--plugin FILE`` (``softprior.plugins``).
@@ -31,7 +32,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -214,7 +215,6 @@ class TaskSpec:
     identification: tuple = ()
     space: dict | str | None = None
     axes: tuple[str, ...] | None = None
-    answer_mask: Callable | None = None
     plugin: str | None = None  # the file that registered it (None: built in)
 
     def task_class(self) -> type:
@@ -234,7 +234,7 @@ TASK_SPECS: Registry[TaskSpec] = Registry("task", UnknownTaskError, describe=lam
 
 
 def register_task(name: str, *, config: type, generator, description: str, io: str = "tokens",
-                  difficulty=None, identification=(), space=None, axes=None, answer_mask=None,
+                  difficulty=None, identification=(), space=None, axes=None,
                   overwrite: bool = False) -> TaskSpec:
     """Register a task (module docstring). Refuses a config class that is not a ``TaskConfigBase``
     (its instances must reach worker processes) or whose ``name`` does not default to ``name``."""
@@ -249,7 +249,7 @@ def register_task(name: str, *, config: type, generator, description: str, io: s
     if io == "tokens" and "vocab" not in config.model_fields:
         raise ValueError(f"task {name!r}: a token task's config needs a 'vocab' field (the model's vocabulary)")
     spec = TaskSpec(name, config, generator, description, io, None if difficulty is None else tuple(difficulty),
-                    tuple(identification), space, None if axes is None else tuple(axes), answer_mask, current_plugin())
+                    tuple(identification), space, None if axes is None else tuple(axes), current_plugin())
     return TASK_SPECS.register(name, spec, overwrite=overwrite)
 
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["Row", "Criterion", "DIFFICULTY", "criteria_for", "difficulty_rows", "CriterionResult", "PAPER_ACCURACY"]
+__all__ = ["Row", "Criterion", "DIFFICULTY", "criteria_for", "declared_criteria", "difficulty_rows", "CriterionResult", "PAPER_ACCURACY"]
 
 
 class Row(BaseModel):
@@ -159,13 +159,29 @@ def identification_criteria(task: str) -> list[Criterion]:
     constraints, then every identification row measured on each base candidate (``PaperRow.search``)
     as a target whose gap is its distance in units of the row's scale; it holds within ``MATCH_Z``."""
     from ..tiers import MATCH_Z, rows_for
-    hard = [c for c in DIFFICULTY[task] if c.stat == "each"]
-    return hard + [Criterion(name=r.name, row=_row(r.source), gates=r.read, target=r.paper, tol=MATCH_Z * r.scale,
-                             scale=r.scale) for r in rows_for(task, search_only=True)]
+    from ..task_configs import task_spec
+    hard = [c for c in declared_criteria(task) if c.stat == "each"]
+    own = [c if isinstance(c, Criterion) else Criterion.model_validate(c) for c in task_spec(task).identification]
+    return hard + own + [Criterion(name=r.name, row=_row(r.source), gates=r.read, target=r.paper,
+                                   tol=MATCH_Z * r.scale, scale=r.scale) for r in rows_for(task, search_only=True)]
 
 
 def criteria_for(task: str, identify: bool = False) -> list[Criterion]:
-    return identification_criteria(task) if identify else DIFFICULTY[task]
+    return identification_criteria(task) if identify else declared_criteria(task)
+
+
+def declared_criteria(task: str) -> list[Criterion]:
+    """A task's difficulty criteria: those its task-registry entry declares (``task_configs.TaskSpec``:
+    a plugin task's, as ``Criterion`` objects or their dicts), else the built-ins' ``DIFFICULTY``.
+    ValueError for a registered task that declares none (``softprior study`` then states its defaults)."""
+    from ..task_configs import task_spec
+    spec = task_spec(task)
+    if spec.difficulty is not None:
+        return [c if isinstance(c, Criterion) else Criterion.model_validate(c) for c in spec.difficulty]
+    if task not in DIFFICULTY:
+        raise ValueError(f"no difficulty criteria for task {task!r}: declare them (register_task(difficulty=...)) "
+                         "or let `softprior study` state its defaults")
+    return DIFFICULTY[task]
 
 
 def difficulty_rows(task: str, identify: bool = False) -> list[Row]:

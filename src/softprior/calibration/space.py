@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .criteria import DIFFICULTY
+from .criteria import Criterion, declared_criteria
 
 __all__ = ["SearchSpace", "load_space", "shipped_spaces", "TASK_AXES", "MODEL_AXES", "SpaceError"]
 
@@ -47,7 +47,7 @@ class SearchSpace(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    task: Literal["assoc_recall", "markov", "linear_icl"]
+    task: str = Field(description="a registered task (task_configs.TASK_SPECS)")
     model: Literal["base", "large"] = "base"
     sampler: Literal["tpe", "grid", "random"] = "tpe"
     sampler_seed: int = 0
@@ -59,6 +59,18 @@ class SearchSpace(BaseModel):
                                           "(axis -> value; axes left out take their first value)")
     identify: bool = Field(False, description="score candidates on the identification rows (tiers.py), the "
                            "per-seed difficulty criteria kept as hard constraints, instead of the difficulty rows")
+    difficulty: list[Criterion] | None = Field(None, description="this space's difficulty criteria (`softprior "
+                                               "study`: the user's, or its defaults); None: the task's")
+
+    @field_validator("task")
+    @classmethod
+    def _check_task(cls, v):
+        from ..task_configs import UnknownTaskError, task_spec
+        try:
+            task_spec(v)
+        except UnknownTaskError as e:
+            raise ValueError(str(e)) from None
+        return v
 
     @field_validator("base")
     @classmethod
@@ -70,13 +82,16 @@ class SearchSpace(BaseModel):
 
     @field_validator("axes")
     @classmethod
-    def _check_axes(cls, v):
+    def _check_axes(cls, v, info):
+        from ..task_configs import TASK_SPECS
+        spec = TASK_SPECS.get(info.data.get("task", ""))
+        task_axes = TASK_AXES if spec is None or spec.plugin is None else set(spec.search_axes)
         for key, values in v.items():
             part, _, fld = key.partition(".")
-            allowed = TASK_AXES if part == "task" else MODEL_AXES if part == "model" else None
+            allowed = task_axes if part == "task" else MODEL_AXES if part == "model" else None
             if allowed is None or fld not in allowed:
                 raise ValueError(f"axis {key!r} is not a task-design or initialisation field; allowed: "
-                                 + ", ".join(sorted([f"task.{a}" for a in TASK_AXES] + [f"model.{a}" for a in MODEL_AXES])))
+                                 + ", ".join(sorted([f"task.{a}" for a in task_axes] + [f"model.{a}" for a in MODEL_AXES])))
             if not values:
                 raise ValueError(f"axis {key!r} has no values")
         return v
@@ -89,8 +104,10 @@ class SearchSpace(BaseModel):
             for k, v in point.items():
                 if k not in self.axes or v not in self.axes[k]:
                     raise ValueError(f"enqueue: {k}={v!r} is not a value of an axis")
-        if self.task not in DIFFICULTY:
-            raise ValueError(f"no difficulty criteria for task {self.task!r}")
+        if self.difficulty is None:
+            declared_criteria(self.task)  # ValueError: the task declares none
+        elif not self.difficulty:
+            raise ValueError("difficulty: at least one criterion (or none given: the task's)")
         return self
 
     @property
@@ -98,14 +115,20 @@ class SearchSpace(BaseModel):
         d = self.model_dump(mode="json")
         if not d["identify"]:  # added later: a difficulty space keeps its digest (and its Optuna study)
             del d["identify"]
+        if d["difficulty"] is None:  # likewise
+            del d["difficulty"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def criteria(self):
         from .criteria import criteria_for
+        if self.difficulty is not None and not self.identify:
+            return list(self.difficulty)
         return criteria_for(self.task, self.identify)
 
     def rows(self):
         from .criteria import difficulty_rows
+        if self.difficulty is not None and not self.identify:
+            return list(dict.fromkeys(c.row for c in self.difficulty))
         return difficulty_rows(self.task, self.identify)
 
     def labels(self, key: str) -> list[str]:
