@@ -10,7 +10,7 @@ import pytest
 import softprior.experiments as experiments
 from softprior.executors import execute
 from softprior.experiments import Cell, Experiment
-from softprior.report import aggregate, describe, markdown_table, plot_bars, write_report
+from softprior.report import aggregate, copy_floor, describe, markdown_table, plot_bars, write_report
 from softprior.store import RunStore
 
 from conftest import tiny_config
@@ -59,7 +59,7 @@ def test_bars_show_every_seed_the_statistic_and_the_chance_line(tmp_path, figure
     assert points == sorted(long["value"].tolist())  # every seed, over its bar
     legend = ax.get_legend()
     words = " ".join([legend.get_title().get_text()] + [t.get_text() for t in legend.get_texts()])
-    assert "mean ± SD" in words and "3-5 seeds" in words and "one seed" in words and "chance (0.1)" in words
+    assert "mean ± SD" in words and "3-5 seeds" in words and "one seed" in words and "chance = 0.100" in words
     assert any(list(line.get_ydata()) == [0.1, 0.1] for line in ax.get_lines())  # the chance line
     assert _inside(fig, ax.title) and "\n" in ax.title.get_text()  # wrapped, not cut
     assert {t.get_text() for t in ax.texts} == {"n=5", "n=3"}  # unequal seed counts: each bar says its own
@@ -108,3 +108,61 @@ def test_quick_output_is_marked_and_curves_say_what_normal_means(tmp_path, figur
     # a full-budget run is not marked
     monkeypatch.setattr(experiments, "QUICK_STEPS", 180)
     assert "Smoke run" not in write_report(store, exp, cells, tmp_path / "out2")
+
+
+def test_the_floor_is_copying_any_context_token():
+    """``copy_floor`` against the floor worked out by hand. Distinct keys, 10 pairs (the config
+    defaults): 20 distinct tokens in every context, the answer among them: exactly 1/20. The registered
+    task (one pool, 6 pairs, keys drawn with replacement from 10): 6 values + D distinct keys, D the
+    occupancy count of 6 draws from 10, so E[1/(6 + D)] with P(D = k) = C(10, k) S(6, k) k! / 10^6
+    (S: Stirling numbers of the second kind)."""
+    import math
+
+    from softprior.task_configs import task_config
+    assert copy_floor(task_config("assoc_recall"), 32) == pytest.approx(1 / 20, abs=1e-12)
+
+    def stirling2(n, k):
+        return sum((-1) ** j * math.comb(k, j) * (k - j) ** n for j in range(k + 1)) // math.factorial(k)
+    exact = sum(math.comb(10, k) * stirling2(6, k) * math.factorial(k) / 10 ** 6 / (6 + k) for k in range(1, 7))
+    registered = task_config("assoc_recall", n_pairs=6, n_keys=10, layout="pool", placement="spread",
+                             keys="replacement")
+    assert copy_floor(registered, 32) == pytest.approx(exact, abs=0.002)  # Monte Carlo: 20,000 sequences
+    assert 0.09 < exact < 1 / 6  # below chance (copying a random value, 1/6): the .09 models sit here
+    assert math.isnan(copy_floor(task_config("linear_icl"), 32))
+
+
+def test_bars_define_chance_draw_the_floor_and_the_papers_values(tmp_path, figures):
+    """The bar figure says what chance is (copying a random value, 1/n_pairs), draws the floor below it
+    and puts the paper's value beside each bar that has one."""
+    cells = [Cell(tiny_config(path=p), row=p) for p in ("unforced", "forced_zero")]
+    store = RunStore(tmp_path / "s")
+    assert execute([c.cfg for c in cells], store, progress=False, require_calibration=False).ok
+    exp = Experiment("demo", "two paths", lambda o: cells, paper={("unforced", "zero"): ".100±.006",
+                                                                  ("forced_zero", "normal"): ".092±.006"})
+    write_report(store, exp, cells, tmp_path / "out", exploratory=True)  # (this checkout may be dirty)
+    ax = figures[0].axes[0]
+    words = " ".join(t.get_text() for t in ax.get_legend().get_texts())
+    assert "chance: copy a random value\nof the context (1/10) = 0.100" in words  # the defaults' 10 pairs
+    assert "floor: copy any token" in words and "= 0.050" in words and "the paper's value" in words
+    assert any(list(line.get_ydata()) == [0.05, 0.05] for line in ax.get_lines())  # the floor's line
+    triangles = sorted(float(y) for c in ax.collections if type(c).__name__ == "PathCollection"
+                       for _, y in c.get_offsets() if len(c.get_offsets()) == 1 and c.get_facecolor()[0][:3].sum() == 0)
+    assert triangles == [0.092, 0.1]
+
+
+def test_curves_keep_the_gate_on_a_panel_of_its_own(tmp_path, figures):
+    """The gates are drawn in a panel below each path's accuracy, not on a second axis over it."""
+    cells = [Cell(tiny_config(path=p), row=p) for p in ("unforced", "fade600")]
+    store = RunStore(tmp_path / "s")
+    assert execute([c.cfg for c in cells], store, progress=False, require_calibration=False).ok
+    write_report(store, Experiment("demo", "two paths", lambda o: cells, curves=True), cells, tmp_path / "out",
+                 exploratory=True)
+    curves = figures[1]
+    panels = [ax for ax in curves.axes if ax.get_title()]
+    gates = [ax for ax in curves.axes if ax.get_ylabel() == "gate"]
+    assert len(panels) == len(gates) == 2
+    for acc, gate in zip(panels, gates):
+        a, g = acc.get_position(), gate.get_position()
+        assert g.y1 <= a.y0 and g.x0 == pytest.approx(a.x0)  # below it, in the same column, not over it
+        assert acc.get_ylabel() == "acc" and "black" not in {line.get_color() for line in acc.get_lines()}
+        assert "black" in {line.get_color() for line in gate.get_lines()}  # the path's gate, in its panel

@@ -17,6 +17,8 @@ marked as a smoke run.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from pathlib import Path
 
@@ -218,6 +220,75 @@ def chance_levels(store: RunStore, cells: list[Cell]) -> dict[tuple[str, str], f
     return out
 
 
+def copy_floor(task_cfg, length: int, n: int = 20000, seed: int = 0) -> float:
+    """The accuracy of copying a token of the context chosen uniformly among its distinct tokens
+    (every token before the final position but PAD), key or value alike: E[1{target in context} / #distinct],
+    by Monte Carlo on the task's own generator (``n`` sequences, ``seed``; standard error below .001).
+    On associative recall with one pool of tokens a model without position (zero gate, NoPE) cannot
+    tell a key from a value, so this is where a model that copies but does not retrieve sits: .094 on
+    the registered task, below chance (copying a random *value*, 1/n_pairs). nan for a task without
+    tokens (linear ICL)."""
+    return _copy_floor(task_cfg.model_dump_json(), length, n, seed)
+
+
+@functools.lru_cache(maxsize=64)
+def _copy_floor(task_json: str, length: int, n: int, seed: int) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    from .task_configs import task_config
+    from .tasks import make_task
+    opts = json.loads(task_json)
+    task = make_task(task_config(opts.pop("name"), **opts))
+    if getattr(task, "input_kind", None) != "tokens" or task.metric != "acc":
+        return math.nan
+    b = task.sample(n, length, torch.Generator().manual_seed(seed))
+    seen = F.one_hot(b.inputs[:, :-1], task.vocab).sum(1) > 0  # [n, V]: the distinct tokens of the context
+    seen[:, 0] = False  # PAD
+    targets = b.targets if b.targets.dim() == 1 else b.targets[:, -1]
+    hit = seen.gather(1, targets[:, None])[:, 0].double()
+    return float((hit / seen.sum(1).clamp(min=1).double()).mean())
+
+
+def floor_levels(store: RunStore, cells: list[Cell]) -> dict[tuple[str, str], float]:
+    """(row, column label) -> ``copy_floor`` of the cell's task at its evaluation's length, where it lies
+    below the cell's chance level (``chance_levels``): the figures draw it as the floor."""
+    chance, out = chance_levels(store, cells), {}
+    for cell in cells:
+        if not store.is_done(cell.cfg.run_id):
+            continue
+        for ev in cell.evals:
+            key = (cell.row, column_label(cell.col, ev.name))
+            level = copy_floor(cell.cfg.task, ev.length or cell.cfg.model.n_ctx)
+            if key in chance and math.isfinite(level) and level < chance[key] - 0.005:
+                out.setdefault(key, level)
+    return out
+
+
+def chance_text(cells: list[Cell]) -> str | None:
+    """What the chance line of ``cells``' tasks is, in words (None: several kinds of task)."""
+    tasks = {c.cfg.task for c in cells}
+    names = {t.name for t in tasks}
+    if names == {"assoc_recall"}:
+        pairs = {t.n_pairs for t in tasks}
+        return "chance: copy a random value\nof the context" + (f" (1/{next(iter(pairs))})" if len(pairs) == 1 else "")
+    if names == {"markov"}:
+        return "chance: the best guess that\nignores order (Markov.chance)"
+    return None
+
+
+def paper_values(paper: dict | None) -> dict[tuple[str, str], float]:
+    """(row, column label) -> the paper's value as a number, from an experiment's ``paper`` strings
+    ('.734±.028' -> 0.734); cells the paper gives no number for are left out."""
+    import re
+    out = {}
+    for key, text in (paper or {}).items():
+        m = re.match(r"\s*([-+]?(?:\d+\.?\d*|\.\d+))", str(text))
+        if m:
+            out[key] = float(m.group(1))
+    return out
+
+
 def smoke_note(cells: list[Cell]) -> str | None:
     """'smoke run (--quick: 180 steps, 1 seed)' when every run of ``cells`` is on the --quick budget
     (``experiments.QUICK_STEPS``): its numbers check that everything runs, they are not results."""
@@ -271,11 +342,15 @@ def _chance_label(metric: str) -> str:
     return "chance" if metric == "acc" else "zero predictor"
 
 
-def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None, smoke: str | None = None) -> None:
+def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None, smoke: str | None = None,
+              floor: dict | None = None, paper: dict | None = None, chance_label: str | None = None) -> None:
     """Grouped bars, one colour per column: the mean over seeds of each cell with its SD as a whisker,
     and every seed as a point over its bar (``long``: ``collect``'s table); the statistic and n in the
     legend. A cell of one seed is its point alone: no bar, no whisker (its spread is unknown, not 0).
-    ``chance``: (row, column label) -> chance level (``chance_levels``), a dashed line. ``smoke``: a
+    ``chance``: (row, column label) -> chance level (``chance_levels``), a dashed line, said in words by
+    ``chance_label`` (``chance_text``); ``floor``: (row, column label) -> the floor below it
+    (``floor_levels``: copying any token of the context), a dash-dot line; ``paper``: (row, column
+    label) -> the paper's value (``paper_values``), a black triangle beside the bar. ``smoke``: a
     --quick run's mark (``smoke_note``). The title is wrapped to the figure's width."""
     import matplotlib
     matplotlib.use("Agg")
@@ -285,7 +360,7 @@ def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None,
     from matplotlib.patches import Patch
     rows = list(dict.fromkeys(agg["row"]))
     cols = list(dict.fromkeys(agg["column"]))
-    seeds, chance = _per_seed(long), chance or {}
+    seeds, chance, floor, paper = _per_seed(long), chance or {}, floor or {}, paper or {}
     metric = agg["metric"].iloc[0]
     ns = sorted({int(n) for n in agg["n"]})
     plot_w = max(5.0, 0.9 * len(rows) * max(1, len(cols)) ** 0.5 + 1.5)
@@ -296,6 +371,7 @@ def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None,
     x = np.arange(len(rows))
     colors = plt.get_cmap("tab10")
     levels = {v for v in chance.values()}
+    floors = {round(v, 3) for v in floor.values()}
     for j, c in enumerate(cols):
         sub = agg[agg["column"] == c].set_index("row").reindex(rows)
         xs = x + (j - (len(cols) - 1) / 2) * width
@@ -317,8 +393,15 @@ def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None,
             if len(levels) > 1 and (r, c) in chance:  # chance differs between cells (other tasks or lengths)
                 ax.hlines(chance[(r, c)], xs[i] - width / 2, xs[i] + width / 2, colors="dimgray", linestyles="--", lw=1,
                           zorder=5)
+            if len(floors) > 1 and (r, c) in floor:
+                ax.hlines(floor[(r, c)], xs[i] - width / 2, xs[i] + width / 2, colors="tab:purple", linestyles="-.",
+                          lw=1, zorder=5)
+            if (r, c) in paper:  # the paper's value, beside the bar
+                ax.scatter([xs[i] + width / 2], [paper[(r, c)]], marker="<", s=36, color="black", zorder=6)
     if len(levels) == 1:
         ax.axhline(next(iter(levels)), color="dimgray", ls="--", lw=1, zorder=5)
+    if len(floors) == 1:
+        ax.axhline(next(iter(floors)), color="tab:purple", ls="-.", lw=1, zorder=5)
     # the Bayes ceiling of the task, where it is below 1 (no model can score above it)
     ceilings = {round(float(v), 4) for v in agg.get("ceiling", []) if np.isfinite(float(v))} if metric == "acc" else set()
     ceiling = next(iter(ceilings)) if len(ceilings) == 1 and next(iter(ceilings)) < 1 else None
@@ -339,8 +422,15 @@ def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None,
                     Line2D([], [], color="white", marker="o", markeredgecolor="black", ls="", markersize=5,
                            label="one seed")]
     if levels:
-        shown = f" ({next(iter(levels)):.3g})" if len(levels) == 1 else " (per task)"
-        handles.append(Line2D([], [], color="dimgray", ls="--", lw=1, label=_chance_label(metric) + shown))
+        shown = f" = {next(iter(levels)):.3f}" if len(levels) == 1 else " (per task)"
+        handles.append(Line2D([], [], color="dimgray", ls="--", lw=1,
+                              label=(chance_label or _chance_label(metric)) + shown))
+    if floors:
+        shown = f" = {next(iter(floors)):.3f}" if len(floors) == 1 else " (per task)"
+        handles.append(Line2D([], [], color="tab:purple", ls="-.", lw=1, label="floor: copy any token of the\n"
+                              "context, key or value" + shown))
+    if any(k in paper for k in zip(agg["row"], agg["column"])):
+        handles.append(Line2D([], [], color="black", marker="<", ls="", markersize=6, label="the paper's value"))
     if ceiling is not None:
         handles.append(Line2D([], [], color="tab:green", ls=":", lw=1.2, label=f"Bayes ceiling ({ceiling:.3g})"))
     if ns == [1]:
@@ -380,9 +470,9 @@ def _gate_of_normal(path, g_pos: float | None, g_content: float | None) -> str:
 
 def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path, smoke: str | None = None) -> bool:
     """Per row (path): the mean normal and zero-gate metric over training (the band spans the seeds),
-    the chance level, and on a second axis the gate the path applies in training (black, dashed) and
-    the gate the "normal" evaluation uses (blue, dotted). "normal" is the model's own gates,
-    sigmoid(logit): for a fixed or scheduled gate that logit is never trained, so a faded model is
+    the chance level, and in a panel of its own under it, on its own axis, the gate the path applies in
+    training (black, dashed) and the gate the "normal" evaluation uses (blue, dotted). "normal" is the
+    model's own gates, sigmoid(logit): for a fixed or scheduled gate that logit is never trained, so a faded model is
     evaluated at g = 0.5, its prior switched back on, whatever the path's gate; each panel says at
     which g, and the legend says so. ``smoke``: a --quick run's mark."""
     import matplotlib
@@ -402,11 +492,13 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path, smoke
     n = len(groups)
     ncols = min(3, n)
     nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.0 * nrows + (1.3 if ncols > 1 else 2.4)),
-                             squeeze=False)  # the legend below: two columns, or one under a single panel
+    # each path: its metric above, its gates in a short panel of their own below (the legend under all)
+    fig, grid = plt.subplots(2 * nrows, ncols, figsize=(4.4 * ncols, 3.9 * nrows + (1.3 if ncols > 1 else 2.4)),
+                             squeeze=False, gridspec_kw={"height_ratios": [3, 1] * nrows})
+    axes, gate_axes = grid[0::2], grid[1::2]
     windows = set()
     chance_drawn = None
-    for ax, (name, cs) in zip(axes.flat, groups.items()):
+    for ax, ax2, (name, cs) in zip(axes.flat, gate_axes.flat, groups.items()):
         series = [store.metrics(c.cfg.run_id) for c in cs]
         summaries = [store.summary(c.cfg.run_id) for c in cs]
         metric = summaries[0]["metric"]
@@ -420,50 +512,54 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path, smoke
             chance_drawn = (metric, summaries[0]["chance"])
             ax.axhline(summaries[0]["chance"], color="dimgray", ls=":", lw=1)
         sched = cs[0].cfg.path.pos.schedule
-        if isinstance(sched, Fade) and sched.start_step < steps.max():
-            ax.axvspan(sched.start_step, min(sched.end_step, steps.max()), color="gray", alpha=0.15)
-            windows.add("fade")
-        elif isinstance(sched, HardSwitch) and sched.at < steps.max():
-            ax.axvline(sched.at, color="gray", ls=":")
-            windows.add("switch")
+        for a in (ax, ax2):  # the window in both panels
+            if isinstance(sched, Fade) and sched.start_step < steps.max():
+                a.axvspan(sched.start_step, min(sched.end_step, steps.max()), color="gray", alpha=0.15)
+                windows.add("fade")
+            elif isinstance(sched, HardSwitch) and sched.at < steps.max():
+                a.axvline(sched.at, color="gray", ls=":")
+                windows.add("switch")
         ax.set_xlim(0, steps.max())
-        ax2 = ax.twinx()
+        ax2.set_xlim(0, steps.max())
         ax2.plot(steps, np.mean([[r["g_pos"] for r in s[:len(steps)]] for s in series], 0), color="black",
                  ls="--", lw=1)
         if all("model_g_pos" in r for s in series for r in s[:len(steps)]):
             ax2.plot(steps, np.mean([[r["model_g_pos"] for r in s[:len(steps)]] for s in series], 0),
                      color="tab:blue", ls=":", lw=1.2)
-        ax2.set_ylim(-0.02, 1.02)
+        ax2.set_ylim(-0.05, 1.05)
         ax2.set_ylabel("gate", fontsize=8)
+        ax2.set_xlabel("step", fontsize=8)
+        ax2.tick_params(labelsize=7)
         g = [np.mean([s[k] for s in summaries]) if all(k in s for s in summaries) else None
              for k in ("model_g_pos", "model_g_content")]
         ax.text(0.02, 0.97, _gate_of_normal(cs[0].cfg.path, *g), transform=ax.transAxes, fontsize=7,
                 color="tab:blue", va="top", ha="left", bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=1))
         ax.set_title(_wrap(f"{name} (n={len(cs)})", 4.0, 9), fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelbottom=False)
         ax.set_ylabel(metric, fontsize=8)
         if metric == "acc":
             ax.set_ylim(0, 1.02)
-    for ax in list(axes.flat)[n:]:
+    for ax in [*list(axes.flat)[n:], *list(gate_axes.flat)[n:]]:
         ax.axis("off")
     handles = [Line2D([], [], color="tab:blue", label="normal: the model's own gates, sigmoid(logit):\nlearned, "
                       "or 0.5 on fixed and scheduled paths\n(their logit is never trained); each panel says at which g"),
                Line2D([], [], color="tab:red", label="zero: both gates forced to 0 (the prior removed)"),
-               Line2D([], [], color="black", ls="--", lw=1, label="gate the path applies in training\n(g_pos, right axis)"),
-               Line2D([], [], color="tab:blue", ls=":", lw=1.2, label="gate of the normal evaluation\n(right axis)")]
+               Line2D([], [], color="black", ls="--", lw=1, label="gate the path applies in training\n(g_pos, the gate panel)"),
+               Line2D([], [], color="tab:blue", ls=":", lw=1.2, label="gate of the normal evaluation\n(the gate panel)")]
     if "fade" in windows:
         handles.append(Patch(color="gray", alpha=0.15, label="fade window"))
     if "switch" in windows:
         handles.append(Line2D([], [], color="gray", ls=":", label="switch"))
     if chance_drawn is not None:
-        handles.append(Line2D([], [], color="dimgray", ls=":", lw=1, label=_chance_label(chance_drawn[0])))
+        said = chance_text([c for cs in groups.values() for c in cs]) or _chance_label(chance_drawn[0])
+        handles.append(Line2D([], [], color="dimgray", ls=":", lw=1, label=said.replace("\n", " ")))
     if any(len(cs) > 1 for cs in groups.values()):
         handles.append(Patch(color="tab:blue", alpha=0.15, label="shading: min to max over seeds"))
     legend = fig.legend(handles=handles, loc="lower center", ncol=min(2, ncols), fontsize=7.5)
     fig.suptitle(_wrap(_titled(title, smoke), 4.4 * ncols), fontsize=10)
     bottom = legend.get_window_extent(fig.canvas.get_renderer()).height / fig.bbox.height
     fig.tight_layout(rect=(0, bottom + 0.01, 1, 1))
-    fig.subplots_adjust(wspace=0.45)  # room for each panel's right-hand gate axis
+    fig.subplots_adjust(wspace=0.3)
     _smoke_mark(fig, smoke)
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -601,7 +697,8 @@ def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: s
     formation_table(store, cells).to_csv(out / "formation.csv", index=False)
     if not agg.empty:
         plot_bars(agg, f"{exp.name}: {description}", out / "figure.png", long=long,
-                  chance=chance_levels(store, cells), smoke=smoke)
+                  chance=chance_levels(store, cells), smoke=smoke, floor=floor_levels(store, cells),
+                  paper=paper_values(exp.paper), chance_label=chance_text(cells))
         if exp.curves:
             plot_curves(store, cells, exp.name, out / "curves.png", smoke=smoke)
     if exp.analysis is not None:
