@@ -9,9 +9,10 @@ A run trained from a dirty tree (its summary's code version ends in ``+dirty``) 
 marked exploratory (``write_report(exploratory=True)``); otherwise ``DirtyRunsRefused`` names it.
 Outputs in OUT_DIR: table.md (mean ± std over seeds, the paper's value beside ours where the paper
 gives one), table.csv (mean, std, n per cell), figure.png (grouped bars: mean, SD whiskers and every
-seed as a point, the statistic and n in the legend, the chance line; one seed is a point alone) and
-curves.png (accuracy over training, normal and zero gates, the path's gate and the gate of the
-"normal" evaluation on a second axis, fade window shaded). A --quick run's figures and table are
+seed as a point, the statistic and n in the legend, the chance line said in words, the floor below
+it (``copy_floor``), the paper's value beside each bar; one seed is a point alone) and curves.png
+(accuracy over training, normal and zero gates; under it, in a panel of its own, the path's gate and
+the gate of the "normal" evaluation; fade window shaded). A --quick run's figures and table are
 marked as a smoke run.
 """
 
