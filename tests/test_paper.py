@@ -319,3 +319,52 @@ def test_reports_written_in_parallel_equal_the_serial_ones(tmp_path):
         assert "| " in (tmp_path / "one" / name / "table.md").read_text()
         for f in ("table.md", "table.csv"):
             assert (tmp_path / "one" / name / f).read_text() == (tmp_path / "two" / name / f).read_text()
+
+
+def test_readme_summary_says_the_verdicts_in_plain_lists():
+    """The README's answer: the claims grouped by verdict in plain lists, a partial claim naming the
+    condition that fails, and a link to the full table; no table of inequalities."""
+    from softprior.paper import verdict_summary
+    tables = {"removability": {("fade600", "zero"): 0.70, ("fade600", "zero", "ceiling"): 0.78},
+              "causal_controls": {("hard_switch1050", "zero"): 0.10, ("fade600", "zero"): 0.73,
+                                  ("forced_zero", "zero"): 0.40}}
+    md = verdict_summary(tables)
+    assert "|" not in md
+    holds = md.split("**Holds here**")[1].split("\n\n**")[0]
+    assert "- A smooth fade to zero (fade600->0) keeps zero-gate accuracy high, base model" in holds
+    nope = md.split("**Does not hold here**")[1].split("\n\n**")[0]
+    assert "- Training at zero gate from scratch does not learn the task" in nope  # .40 > .15
+    partly = md.split("**Partly**")[1].split("\n\n**")[0]
+    assert "An abrupt switch when the fade would end keeps much less than the fade (1 of 2 conditions hold; " \
+           "fails: hard_switch1050 zero 0.100 >= 0.150)" in partly
+    assert f"**Does not hold here** (1 of {len(CLAIMS)} claims)" in md
+    assert f"**Not measured yet** ({len(CLAIMS) - 3} of {len(CLAIMS)} claims)" in md  # the cells not in the tables
+    assert md.rstrip().endswith("[`docs/RESULTS.md`](docs/RESULTS.md#verdicts).")
+
+
+def test_readme_first_screen():
+    """The README opens on what softprior is and the answer in plain words (generated from the committed
+    tables), then the main job; it points at claims.py; the numbers it reads against the ceiling are
+    the committed ones: seeds 0-2 of the removability table, and the standard error of 512 examples."""
+    import math
+
+    import pandas as pd
+
+    from softprior.paper import verdict_summary
+    readme = (ROOT / "README.md").read_text()
+    first = readme.split("## Fresh machine: the main job")[0]
+    assert verdict_summary(load_tables(ROOT / "docs" / "results")) in first
+    assert "|---|" not in first and "src/softprior/claims.py" in first and "(docs/RESULTS.md#verdicts)" in first
+    main = readme.split("## Fresh machine: the main job")[1].split("\n## ")[0]
+    t = pd.read_csv(ROOT / "docs" / "results" / "removability" / "table.csv").set_index(["row", "column"])
+    for (row, col), said in {("unforced", "normal"): "unforced {} with the prior",
+                             ("unforced", "zero"): "and {} without", ("forced_zero", "zero"): "forced_zero {} at zero",
+                             ("fade600", "zero"): "fade600->0 {} at zero"}.items():
+        seeds = [float(v) for v in t.loc[(row, col), "values"].split(";")[:3]]
+        per_seed = " / ".join(f"{v:.3f}".lstrip("0") for v in seeds)
+        assert said.format(per_seed) in " ".join(main.split()), (row, col, per_seed)
+    se = math.sqrt(0.78 * 0.22 / 512)
+    assert f"sqrt(.78 x .22 / 512) = {se:.3f}".replace("0.", ".") in main
+    ceiling = float(t.loc[("unforced", "normal"), "ceiling"])
+    top = float(t.loc[("unforced", "normal"), "values"].split(";")[0])
+    assert f"so .{round(top * 1000)} is {(top - ceiling) / se:.1f} standard errors above .{round(ceiling * 1000)}" in main

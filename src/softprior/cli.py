@@ -440,7 +440,8 @@ def _paper(args, train: bool) -> int:
                                 else None}})
     print(Path(doc).read_text().split("\n## ", 2)[1] if "\n## " in Path(doc).read_text() else "")
     print(f"wrote {len(exps)} experiments under {out}/ and {doc}" + (f", the bundle {bundle}/" if writer else "")
-          + (f"; updated {cal_doc} ({', '.join(written)})" if written else ""), file=sys.stderr)
+          + (f"; updated {cal_doc} ({', '.join(written)})" if written else "")
+          + (f"; updated {readme} (its verdict list)" if readme else ""), file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -82,13 +82,43 @@ def verdict_table(tables, results_dir: str | Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def verdict_summary(tables) -> str:
-    """One line per claim: the verdict and, per condition, its estimate, interval and n (the README's
-    view; RESULTS.md has the full predicates)."""
-    lines = ["| paper claim | verdict here | estimate vs threshold (interval over seeds, n) |", "|---|---|---|"]
+# the README's plain lists, in this order: a verdict's first word -> its heading
+_PLAIN = (("reproduced", "**Holds here**"), ("not", "**Does not hold here**"),
+          ("partly", "**Partly**"), ("inconclusive", "**Undecided**"))
+
+
+def _failed(cl: PaperClaim, tables) -> list[str]:
+    """The conditions of ``cl`` that fail on ``tables``, each as its cells, its estimate and threshold
+    ("unforced normal std 0.204 <= 0.050")."""
+    out = []
+    for c in cl.conditions:
+        e = c.evaluate(tables)
+        if e is not None and e["ok"] is False:
+            what = f"{c.row} {c.column}" + (f" {c.stat}" if c.stat != "mean" else "") + \
+                (f" - {c.other[0]} {c.other[1]}" if c.other else "")
+            out.append(f"{what} {e['est']:.3f} {c.op} {e['thr']:.3f}")
+    return out
+
+
+def verdict_summary(tables, results_doc: str = "docs/RESULTS.md") -> str:
+    """The README's answer in plain words: the claims grouped by verdict (holds, does not hold, partly,
+    undecided; ``verdicts``), each by its statement, a partial or undecided one with how many of its
+    conditions hold, then a link to the full verdict table (estimates, intervals, n) in ``results_doc``."""
+    groups: dict[str, list[str]] = {}
     for cl, v, _ in verdicts(tables):
-        lines.append(f"| {cl.statement} | {v} | {'; '.join(c.brief(tables) for c in cl.conditions)} |")
-    return "\n".join(lines)
+        word = v.split()[0]
+        detail = f" ({v.split('(', 1)[1]}" if word in ("partly", "inconclusive") and "(" in v else ""
+        if word == "partly":
+            detail = detail[:-1] + "; fails: " + "; ".join(_failed(cl, tables)) + ")"
+        groups.setdefault(word if word != "not" or v == "not reproduced" else "not measured", []).append(
+            f"- {cl.statement}{detail}")
+    out = []
+    for word, head in _PLAIN + (("not measured", "**Not measured yet**"),):
+        if groups.get(word):
+            out += [f"{head} ({len(groups[word])} of {sum(map(len, groups.values()))} claims):", "", *groups[word], ""]
+    out.append(f"Each claim's conditions, estimates and 95% intervals over seeds: the verdict table in "
+               f"[`{results_doc}`]({results_doc}#verdicts).")
+    return "\n".join(out)
 
 
 _HEAD = """# Results
@@ -103,7 +133,7 @@ calibration record they ran under, `CALIBRATION.md`).
 
 ## Verdicts
 
-Each claim is declared once in `src/softprior/paper.py` (statement, cells, predicate); the verdict
+Each claim is declared once in `src/softprior/claims.py` (statement, cells, predicate); the verdict
 is computed from the tables below. Each condition is decided on a 95% interval over seeds (a Student t
 interval for a mean, paired by seed for a difference between two paths, chi-square for a spread): it
 *holds* when the whole interval lies on its side of the threshold, *fails* when the whole interval
