@@ -187,6 +187,7 @@ class PaperClaim:
 
 # the experiments whose cells are one base-model training row each: experiment -> task
 _ROW_TABLES = {"removability": "assoc_recall", "causal_controls": "assoc_recall", "paths": "assoc_recall",
+               "fade_window": "assoc_recall", "fade_shapes": "assoc_recall",
                "markov_paths": "markov", "linear_paths": "linear_icl"}
 
 
@@ -305,13 +306,13 @@ def verdict_of(outcomes: list) -> str:
     return f"partly ({held} of {len(outcomes)} conditions hold" + (f", {open_} undecided)" if open_ else ")")
 
 
-def verdicts(tables) -> list[tuple[PaperClaim, str, list[str]]]:
-    """(claim, verdict, evidence lines) for every claim. A claim whose ``valid_if`` preconditions are
-    measured and do not all hold is *inconclusive* whatever its conditions say (the evidence names
-    the failed precondition)."""
+def verdicts(tables, claims=None) -> list[tuple[PaperClaim, str, list[str]]]:
+    """(claim, verdict, evidence lines) for every claim (``claims``: these instead of the paper's, e.g.
+    a study's, ``softprior.study``). A claim whose ``valid_if`` preconditions are measured and do not
+    all hold is *inconclusive* whatever its conditions say (the evidence names the failed precondition)."""
     out = []
     mark = {True: "✓", False: "✗", "undecided": "~", None: "?"}
-    for cl in CLAIMS:
+    for cl in (CLAIMS if claims is None else claims):
         res = [c.measure(tables) for c in cl.conditions]
         v = verdict_of([ok for ok, _ in res])
         pre = [c.measure(tables) for c in cl.valid_if]

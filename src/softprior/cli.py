@@ -551,7 +551,9 @@ def cmd_calibrate(args) -> int:
     from .calibration.report import choose, write_outputs
     from .calibration.search import load_candidates, run_search
 
-    space = load_space(args.space or args.task)
+    if args.identify and args.space:
+        raise CliError("--identify chooses the task's identification space; give --space or --identify, not both")
+    space = load_space(args.space or (f"{args.task}_identify" if args.identify else args.task))
     if space.task != args.task:
         raise CliError(f"search space {space.name!r} is for task {space.task!r}, not {args.task!r}")
     if args.budget is not None and args.budget < 1:
@@ -571,9 +573,14 @@ def cmd_calibrate(args) -> int:
     if args.register:
         from .calibration.doc import register
         from .calibration.search import complete_nearest
-        cands = complete_nearest(space, store, cands, k=args.complete, executor=args.executor, workers=args.workers,
-                                 group_size=args.group, progress=not args.no_progress, address=args.address,
-                                 steps=args.steps)
+        run_kw = dict(executor=args.executor, workers=args.workers, group_size=args.group,
+                      progress=not args.no_progress, address=args.address)
+        if space.identify:  # the best candidates on five seeds until ten hold the hard constraints
+            from .calibration.identify import complete
+            cands = complete(space, store, cands, steps=args.steps, log=lambda m: print(m, file=sys.stderr),
+                             sweep_bar=not args.no_progress, **run_kw)
+        else:
+            cands = complete_nearest(space, store, cands, k=args.complete, steps=args.steps, **run_kw)
         rec = register(space, store, cands, steps=args.steps, ship=args.ship, doc=args.doc)
         print(f"registered {rec['hash']} at {rec['registered_at']}: {rec['task_options']} {rec['model_options']}"
               f" ({'passes' if rec['passes'] else 'NO candidate passes: nearest'})", file=sys.stderr)
@@ -790,12 +797,60 @@ def cmd_tasks(args) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------------------ parser
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="softprior", description="Annealable soft-prior Transformers: train, "
-                                "evaluate and reproduce circuit-removability experiments.")
-    sub = p.add_subparsers(dest="command", required=True)
+def cmd_tour(args) -> int:
+    """``softprior tour``: ``tour.run_tour`` (the notebook executed headless, its outputs kept in OUT)."""
+    from .tour import run_tour
+    env = {"SOFTPRIOR_TOUR_STEPS": str(args.steps)} if args.steps is not None else {}
+    dest = run_tour(args.notebook, args.out, env=env)
+    print(f"wrote {dest} (the executed tour, with its outputs) and the tour's table and figures in {dest.parent}/",
+          file=sys.stderr)
+    return 0
 
+
+# ------------------------------------------------------------------------------------------ parser
+def cmd_study(args) -> int:
+    from .plugins import load_plugin
+    for f in args.plugin or []:
+        load_plugin(f)
+    from .study import StudyPlan, load_criteria, run_study
+    _check_executor(args)
+    plan = StudyPlan(task=args.task, prior=args.prior, name=args.name or "", quick=args.quick, steps=args.steps,
+                     seeds=args.seeds, budget=args.budget, out=args.out, executor=args.executor,
+                     criteria=load_criteria(args.criteria) if args.criteria else None, workers=args.workers,
+                     group_size=args.group, address=args.address)
+    started = time.time()
+    report = run_study(plan, _store(args))
+    print(f"study {plan.name}: {report} ({time.time() - started:.0f} s)")
+    return 0
+
+
+def _add_study_parser(sub) -> None:
+    """``softprior study``: the whole method on a task and a prior, built in or from --plugin files."""
+    s = sub.add_parser("study", help="the whole method on your own prior and/or task: difficulty search, "
+                       "pre-registration, the paths, the robustness map, study/NAME/REPORT.md (docs/STUDY.md)")
+    s.add_argument("--task", required=True, help="a registered task (`softprior tasks`, or one a --plugin registers)")
+    s.add_argument("--prior", default="soft", help="a registered prior family (softprior.priors: soft, alibi, t5, "
+                   "kerple_log, kerple_power, fire, or one a --plugin registers)")
+    s.add_argument("--plugin", action="append", help="a Python file that registers a task, a prior, paths or "
+                   "experiments; repeatable")
+    s.add_argument("--name", default=None, help="the study's name (default TASK-PRIOR, -quick with --quick)")
+    s.add_argument("--quick", action="store_true", help="a tiny study: 60 steps, 2 seeds, 2 candidates")
+    s.add_argument("--steps", type=int, default=None, help="steps per run (default 3600; the paths are scaled)")
+    s.add_argument("--seeds", type=int, default=None, help="seeds per row (default 3)")
+    s.add_argument("--budget", type=int, default=None, help="candidates the difficulty search measures (default 12)")
+    s.add_argument("--criteria", default=None, help="a .json/.toml file of difficulty criteria (default: the "
+                   "task's own if a plugin declares them, else: the prior-on path learns, the no-prior path does not)")
+    s.add_argument("--out", default="study", help="where study/NAME/ goes (default ./study)")
+    s.add_argument("--store", default="runs")
+    s.add_argument("--executor", default="local", choices=["local", "ray"])
+    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--group", type=_group_arg, default="auto", help="runs per group, or 'auto' (as reproduce)")
+    s.add_argument("--address", default=None)
+    s.set_defaults(fn=cmd_study)
+
+
+def _add_train_parser(sub) -> None:
+    """``softprior train``: one run."""
     t = sub.add_parser("train", help="train one run (skipped if already in the store)")
     t.add_argument("--task", default="assoc_recall")
     t.add_argument("--path", default="fade600")
@@ -816,6 +871,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train a prediction row even if no calibration record covers its configuration")
     t.set_defaults(fn=cmd_train)
 
+def _add_eval_parser(sub) -> None:
+    """``softprior eval``: a stored run under gate overrides."""
     e = sub.add_parser("eval", help="evaluate a stored run under a gate override")
     e.add_argument("run_id")
     e.add_argument("--gates", default=None, help="e.g. pos=0,content=0 (missing gates keep the model's)")
@@ -824,6 +881,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_eval)
 
+def _add_experiment_parsers(sub) -> None:
+    """``softprior reproduce`` and ``softprior report``: an experiment, or the paper; the arguments they share here, each one's own in ``_add_reproduce_args`` / ``_add_report_args``."""
     for name, fn, hlp in (("reproduce", cmd_reproduce, "run an experiment's missing runs, then tabulate and plot it"),
                           ("report", cmd_report, "rebuild an experiment's table and figures from the store")):
         r = sub.add_parser(name, help=hlp)
@@ -843,41 +902,55 @@ def build_parser() -> argparse.ArgumentParser:
                        "file (docs/CALIBRATION.md) for each task's searched space, and OUT/calibration/SPACE")
         r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray); "
                        "for 'paper' also the processes that write the reports")
-        if name == "report":  # report timings
-            r.add_argument("--from-bundle", default=None, metavar="DIR", help="read a results bundle (DIR/bundle, "
-                           "e.g. docs/results) instead of a store: 'paper' rewrites the documents it was written "
-                           "for (RESULTS.md, CALIBRATION.md, the README table; paths relative to --out, by default "
-                           "DIR), no store and no weights needed; 'timings' reads the time ledger it carries")
-            r.add_argument("--exploratory", action="store_true", help="let runs trained from a dirty tree "
-                           "(uncommitted changes) enter the tables, marked exploratory (default: refused)")
-            r.add_argument("--json", action="store_true", help="timings: print one JSON object")
-            r.add_argument("--gemm-rate", type=float, default=None, metavar="GFLOPS", help="timings: the GEMM rate "
-                           "of the floor (default: the fastest the ledger's sweeps measured, else measured now)")
-            r.add_argument("--all-versions", action="store_true", help="timings: count the rows of every code "
-                           "version (default: only this checkout's, provenance.code_version)")
-            r.add_argument("--code-version", default=None, metavar="VERSION", help="timings: count the rows of "
-                           "this code version (as the ledger names it, e.g. 0.1.0@1a7f242198ad) instead of this "
-                           "checkout's")
-            r.add_argument("--top", type=int, default=10, help="timings: the costliest jobs listed")
-            r.add_argument("--until", default=None, metavar="WHEN", help="timings: count only the rows started "
-                           "before WHEN (ISO 8601, UTC unless it names a zone, or unix seconds), e.g. a sweep's "
-                           "time before later sweeps of the same code")
+        if name == "report":
+            _add_report_args(r)
         if name == "reproduce":
-            r.add_argument("--executor", default="local", choices=["local", "ray"])
-            r.add_argument("--group", type=_group_arg, default="auto", help="runs trained together in one "
-                           "process, their parameters stacked on a run dimension (engine.train_group); 'auto' "
-                           "(default): chosen per model size from its measured group scaling (executors.group_sizes)")
-            r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
-            r.add_argument("--device", default=None, help="where runs train (single runs and groups), e.g. cuda "
-                           "(default: $SOFTPRIOR_DEVICE or cpu)")
-            r.add_argument("--no-progress", action="store_true")
-            r.add_argument("--exploratory", action="store_true",
-                           help="train prediction rows even if no calibration record covers their configuration, "
-                           "and let runs trained from a dirty tree enter the tables, marked exploratory")
+            _add_reproduce_args(r)
         r.set_defaults(fn=fn)
+
+def _add_report_args(r) -> None:
+    """``softprior report``'s own arguments: a results bundle, and ``report timings``."""
+    r.add_argument("--from-bundle", default=None, metavar="DIR", help="read a results bundle (DIR/bundle, "
+                   "e.g. docs/results) instead of a store: 'paper' rewrites the documents it was written "
+                   "for (RESULTS.md, CALIBRATION.md, the README table; paths relative to --out, by default "
+                   "DIR), no store and no weights needed; 'timings' reads the time ledger it carries")
+    r.add_argument("--exploratory", action="store_true", help="let runs trained from a dirty tree "
+                   "(uncommitted changes) enter the tables, marked exploratory (default: refused)")
+    r.add_argument("--json", action="store_true", help="timings: print one JSON object")
+    r.add_argument("--gemm-rate", type=float, default=None, metavar="GFLOPS", help="timings: the GEMM rate "
+                   "of the floor (default: the fastest the ledger's sweeps measured, else measured now)")
+    r.add_argument("--all-versions", action="store_true", help="timings: count the rows of every code "
+                   "version (default: only this checkout's, provenance.code_version)")
+    r.add_argument("--code-version", default=None, metavar="VERSION", help="timings: count the rows of "
+                   "this code version (as the ledger names it, e.g. 0.1.0@1a7f242198ad) instead of this "
+                   "checkout's")
+    r.add_argument("--top", type=int, default=10, help="timings: the costliest jobs listed")
+    r.add_argument("--until", default=None, metavar="WHEN", help="timings: count only the rows started "
+                   "before WHEN (ISO 8601, UTC unless it names a zone, or unix seconds), e.g. a sweep's "
+                   "time before later sweeps of the same code")
+
+def _add_reproduce_args(r) -> None:
+    """``softprior reproduce``'s own arguments: where and how runs train."""
+    r.add_argument("--executor", default="local", choices=["local", "ray"])
+    r.add_argument("--group", type=_group_arg, default="auto", help="runs trained together in one "
+                   "process, their parameters stacked on a run dimension (engine.train_group); 'auto' "
+                   "(default): chosen per model size from its measured group scaling (executors.group_sizes)")
+    r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
+    r.add_argument("--device", default=None, help="where runs train (single runs and groups), e.g. cuda "
+                   "(default: $SOFTPRIOR_DEVICE or cpu)")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--exploratory", action="store_true",
+                   help="train prediction rows even if no calibration record covers their configuration, "
+                   "and let runs trained from a dirty tree enter the tables, marked exploratory")
+
+def _add_calibrate_parser(sub) -> None:
+    """``softprior calibrate``: the search, pre-registration and the robustness map."""
+    from .task_configs import TASK_SPECS  # no torch
     c = sub.add_parser("calibrate", help="search task design and initialisation against the difficulty rows "
                        "(Optuna), pre-register the choice, map the claims' robustness")
-    c.add_argument("task", choices=["assoc_recall", "markov", "linear_icl"])
+    c.add_argument("task", choices=list(TASK_SPECS), help="a registered task")
+    c.add_argument("--identify", action="store_true", help="search the task's identification space "
+                   "(TASK_identify: scored on every static row of the paper, src/softprior/tiers.py)")
     c.add_argument("--space", default=None, help="a .toml/.json search space or a shipped one "
                    "(default: the task's shipped space)")
     c.add_argument("--budget", type=int, default=None, help="candidates to measure in all (a resumed search "
@@ -903,6 +976,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=None, help="step budget per run (smoke tests only; default 3600)")
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(fn=cmd_calibrate)
+
+def _add_tool_parsers(sub) -> None:
+    """``softprior experiments``, ``baselines``, ``bench`` and ``export``."""
     x = sub.add_parser("experiments", help="list experiments")
     x.add_argument("--plugin", action="append")
     x.set_defaults(fn=cmd_experiments)
@@ -925,6 +1001,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the training context; e.g. 120 for the length test)")
     ex.add_argument("--store", default="runs")
     ex.set_defaults(fn=cmd_export)
+
+def _add_store_and_listing_parsers(sub) -> None:
+    """``softprior store verify``, ``paths`` and ``tasks``."""
     st = sub.add_parser("store", help="check the run store").add_subparsers(dest="store_command", required=True)
     sv = st.add_parser("verify", help="check every finished run's files against the SHA-256 checksums recorded when "
                        "they were written, and the index (exit 1 if anything is damaged)")
@@ -938,6 +1017,33 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--ceilings", action="store_true", help="also measure every default's Bayes ceiling "
                     "(Monte Carlo where there is no closed form; imports torch)")
     tk.set_defaults(fn=cmd_tasks)
+    tk.set_defaults(fn=cmd_tasks)
+
+def _add_tour_parser(sub) -> None:
+    """``softprior tour``: the notebook tour, headless (``softprior.tour``)."""
+    tr = sub.add_parser("tour", help="run the notebook tour (docs/tour.py) headless; keep the executed "
+                        "notebook in OUT/tour.ipynb (the tracked docs/tour.py and docs/tour.ipynb are only read)")
+    tr.add_argument("--notebook", default="docs/tour.py", help="the tour to run (default docs/tour.py, "
+                    "from the repository root)")
+    tr.add_argument("--out", default="results/tour", help="where the executed notebook and the tour's table and "
+                    "figures go (default results/tour)")
+    tr.add_argument("--steps", type=int, default=None, help="step budget per run (default: the paper's 3,600; "
+                    "fewer: a smoke run whose schedules are scaled)")
+    tr.set_defaults(fn=cmd_tour)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="softprior", description="Annealable soft-prior Transformers: train, "
+                                "evaluate and reproduce circuit-removability experiments.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_train_parser(sub)
+    _add_eval_parser(sub)
+    _add_experiment_parsers(sub)
+    _add_calibrate_parser(sub)
+    _add_tool_parsers(sub)
+    _add_store_and_listing_parsers(sub)
+    _add_tour_parser(sub)
+    _add_study_parser(sub)
     return p
 
 
@@ -949,14 +1055,15 @@ class CliFailure(Exception):
 # nothing (an error whose module was never imported cannot have been raised). A failure is tried first
 # (StoreDamagedError is a StoreError).
 _FAILURES = (("softprior.cli", "CliFailure"), ("softprior.store.errors", "StoreDamagedError"),
-             ("softprior.runner", "RunFailedError"))
+             ("softprior.runner", "RunFailedError"), ("softprior.tour", "TourError"))
 _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.store.errors", "StoreError"),  # a run or store not there, a store not writable
               ("softprior.paths", "UnknownPathError"), ("softprior.tasks", "UnknownTaskError"),
               ("softprior.model", "UnknownModelError"), ("softprior.baselines", "UnknownBaselineError"),
               ("softprior.positional.base", "UnknownSchemeError"),
               ("softprior.experiments", "UnknownExperimentError"), ("softprior.experiments", "UnknownTaskFilterError"),
-              ("softprior.experiments", "PluginError"), ("softprior.calibration.space", "SpaceError"),
+              ("softprior.plugins", "PluginError"), ("softprior.calibration.space", "SpaceError"),
+              ("softprior.study", "StudyError"), ("softprior.priors", "UnknownPriorError"),
               ("softprior.records", "CalibrationMissing"),  # and RecordRefused, a subclass
               ("softprior.report", "DirtyRunsRefused"), ("softprior.executors", "SettingError"),
               ("softprior.interop", "ExportError"), ("softprior.interop", "MissingExtraError"))
