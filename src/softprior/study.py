@@ -75,6 +75,7 @@ class StudyPlan:
     group_size: int | str = 6
     address: str | None = None
     paths: list = field(default_factory=lambda: list(STUDY_PATHS))
+    trace_examples: int = 256  # validation examples of the mechanism trace
 
     def __post_init__(self):
         self.steps = self.steps or (60 if self.quick else PAPER_STEPS)

@@ -23,10 +23,25 @@ from .search import candidate_configs, ceiling
 __all__ = ["prediction_rows", "run_robustness", "claim_counts", "fade_row", "claim_rows"]
 
 
-def claim_rows(task: str) -> list[Row]:
-    """Every base-model row the mapped claims about ``task`` read, in declaration order."""
+# On an identified set the map decides every claim whose cells are base-model training rows; these two
+# (five fade starts, five shapes) on the best three configurations only (``TOP_WIDE``)
+WIDE = ("fade window", "fade shapes")
+TOP_WIDE = 3
+
+
+def map_claims(task: str, identify: bool = False, wide: bool = False) -> list:
+    """The claims the map decides: those marked ``map`` (a difficulty search); on an identified set,
+    every claim all of whose cells are base-model rows (``Cond.as_row``), less ``WIDE`` unless ``wide``."""
+    if not identify:
+        return claims_for_task(task)
+    return [cl for cl in claims_for_task(task, mapped_only=False)
+            if all(c.as_row() for c in cl.conditions) and (wide or cl.name not in WIDE)]
+
+
+def claim_rows(task: str, identify: bool = False, wide: bool = False) -> list[Row]:
+    """Every base-model row the map's claims about ``task`` read, in declaration order."""
     out: list[Row] = []
-    for cl in claims_for_task(task):
+    for cl in map_claims(task, identify, wide):
         for cond in cl.conditions:
             for path, opts, _ in cond.as_row() or []:
                 r = Row(path=path, task=opts)
@@ -35,10 +50,14 @@ def claim_rows(task: str) -> list[Row]:
     return out
 
 
-def prediction_rows(task: str) -> list[Row]:
-    """The rows the map trains: those the claims read that the search did not train (difficulty rows)."""
-    diff = difficulty_rows(task)
-    return [r for r in claim_rows(task) if r not in diff]
+def prediction_rows(task: str, identify: bool = False, wide: bool = False) -> list[Row]:
+    """The rows the map trains: those the claims read that the search did not train (its rows). None
+    for a task the paper's claims are not about (a plugin's: ``softprior study`` declares its own)."""
+    rows = claim_rows(task, identify, wide)
+    if not rows:
+        return []
+    diff = difficulty_rows(task, identify)
+    return [r for r in rows if r not in diff]
 
 
 def fade_row(task: str) -> Row:
@@ -46,14 +65,20 @@ def fade_row(task: str) -> Row:
 
 
 def mapped(space, cands, limit: int = 10):
-    """The configurations the map covers: the passing candidates (nearest ``limit``); if none passes,
+    """The configurations the map covers: an identification search's identified set; else the passing
+    candidates (nearest ``limit``); if none passes,
     those measured on every seed (the nearest, completed before registration), nearest first. A
     distance measured on one seed is not comparable with one on three, so pruned candidates are not
     mapped. Two spellings of one configuration are mapped once."""
     from .record import calibration_key
-    passing = sorted([c for c in cands if c.status == "passes"], key=lambda c: c.distance)
-    pool = passing or sorted([c for c in cands if c.status == "fails" and not math.isnan(c.distance)],
-                             key=lambda c: (c.distance, c.cid))
+    if space.identify:  # the identified set (declared in identify.py), best first, all of it
+        from .identify import identified_set
+        pool = identified_set(space, cands)
+        limit = len(pool)
+    else:
+        pool = (sorted([c for c in cands if c.status == "passes"], key=lambda c: c.distance)
+                or sorted([c for c in cands if c.status == "fails" and not math.isnan(c.distance)],
+                          key=lambda c: (c.distance, c.cid)))
     out, seen = [], set()
     for c in pool:
         (_, _, cfg), *_ = candidate_configs(space, c.task_options, c.model_options, [0])
@@ -74,10 +99,11 @@ def run_robustness(space, store, cands, *, executor="local", workers=1, group_si
                                  f"{str(store.root)!r}: run `softprior calibrate {space.task} --register` first")
     seeds = list(range(space.seeds))
     cfgs = []
-    for c in mapped(space, cands):
+    for i, c in enumerate(mapped(space, cands)):
+        rows = prediction_rows(space.task, space.identify, wide=space.identify and i < TOP_WIDE)
         cfgs += [cfg for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, seeds,
-                                                        rows=prediction_rows(space.task), steps=steps)]
-    if all_fade:
+                                                        rows=rows, steps=steps)]
+    if all_fade and not space.identify:  # an identified set trains no trajectory row outside it
         for c in cands:
             if c.status != "infeasible":
                 cfgs += [cfg for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, [0],
@@ -123,16 +149,17 @@ def claim_counts(space, store, cands, steps: int | None = None):
     per-candidate verdict is True (reproduced), False (any other decided verdict), "inconclusive",
     or None (not measured)."""
     seeds = list(range(space.seeds))
-    names = {cl.name for cl in claims_for_task(space.task)}
+    claims = map_claims(space.task, space.identify, wide=True)
+    names = {cl.name for cl in claims}
     per = []
     for c in mapped(space, cands):
-        vals = _values(space, store, c, seeds, claim_rows(space.task), steps)
+        vals = _values(space, store, c, seeds, claim_rows(space.task, space.identify, wide=True), steps)
         for k, v in (c.values or {}).items():  # the search's own measurements of the difficulty rows
             if len(v) == len(seeds):
                 vals.setdefault(k, list(v))
         per.append((c, {cl.name: v for cl, v, _ in verdicts(candidate_tables(space, c, vals)) if cl.name in names}))
     out = []
-    for cl in claims_for_task(space.task):
+    for cl in claims:
         res = []
         for c, vs in per:
             v = vs[cl.name]

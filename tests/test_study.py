@@ -1,0 +1,152 @@
+"""``softprior study`` and the two registries it rests on (src/softprior/study.py, priors.py, the task
+registry in task_configs.py, plugins.py), with the two worked examples of examples/, end to end at a
+tiny size."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from softprior.plugins import ENV, load_plugin
+
+ROOT = Path(__file__).resolve().parents[1]
+GAUSS = ROOT / "examples" / "gaussian_window.py"
+SECOND = ROOT / "examples" / "second_occurrence.py"
+
+
+@pytest.fixture
+def plugins(monkeypatch):
+    """Both example plugins loaded (once per process; the environment note undone after the test)."""
+    monkeypatch.setenv(ENV, "")
+    load_plugin(str(GAUSS))
+    load_plugin(str(SECOND))
+
+
+def _tiny(task, prior, tmp_path, **kw):
+    from softprior.study import StudyPlan
+    opts = dict(quick=True, steps=4, seeds=1, budget=1, out=str(tmp_path / "study"), group_size=8, trace_examples=32)
+    return StudyPlan(task=task, prior=prior, **{**opts, **kw})
+
+
+def test_the_gaussian_window_is_the_bias_the_model_adds(plugins):
+    from softprior import fastpath
+    from softprior.config import make_run_config
+    from softprior.model import build_model
+    cfg = make_run_config("assoc_recall", "unforced", 0, model_options={"prior_family": "gaussian_window",
+                                                                        "prior_scale": 1.0, "prior_layers": (0,)})
+    model = build_model(cfg)
+    _, cache = model.run_with_cache(torch.randint(0, 32, (2, 32)), names_filter=lambda n: "pos_bias" in n)
+    i = torch.arange(32)
+    r2 = ((i[:, None] - i[None, :]).clamp(min=0) ** 2).float()
+    want = torch.stack([-r2 / (2.0 * (h + 1) ** 2) for h in range(4)])  # sigma_h = h + 1 at prior_scale 1
+    assert torch.allclose(cache["blocks.0.attn.hook_pos_bias"], want, atol=1e-5)
+    assert cache["blocks.1.attn.hook_pos_bias"].abs().max() == 0  # outside prior_layers: no B^pos
+    assert not fastpath.supports(cfg.model) and fastpath.supports(make_run_config("assoc_recall").model)
+    # the width is learned: the loss reaches it
+    model(torch.randint(0, 32, (2, 32)))[:, -1].logsumexp(-1).sum().backward()
+    assert model.blocks[0].attn.prior_module.width_param.grad.abs().sum() > 0
+
+
+def test_registries_name_their_entries_and_refuse_unknown_ones(plugins):
+    from softprior.priors import PRIORS, UnknownPriorError
+    from softprior.task_configs import TASK_SPECS, UnknownTaskError, task_spec
+    assert list(PRIORS)[0] == "soft" and {"alibi", "t5", "gaussian_window"} <= set(PRIORS)
+    assert {"assoc_recall", "markov", "linear_icl", "second_occurrence"} <= set(TASK_SPECS)
+    assert task_spec("second_occurrence").plugin == str(SECOND)
+    with pytest.raises(UnknownTaskError, match="allowed: assoc_recall"):
+        task_spec("sorting")
+    with pytest.raises(ValueError, match="unknown prior 'nope'"):
+        from softprior.config import make_run_config
+        make_run_config("assoc_recall", model_options={"prior_family": "nope"})
+    assert issubclass(UnknownPriorError, ValueError)
+
+
+def test_a_plugin_prediction_row_is_refused_without_a_record(plugins, tmp_path):
+    from softprior.config import make_run_config
+    from softprior.executors import execute
+    from softprior.records import CalibrationMissing, needs_record
+    from softprior.store import RunStore
+    fade = make_run_config("second_occurrence", "fade600", 0, steps=2)
+    assert needs_record(fade) and not needs_record(make_run_config("second_occurrence", "unforced", 0, steps=2))
+    store = RunStore(tmp_path / "runs")
+    with pytest.raises(CalibrationMissing):
+        execute([fade], store, progress=False)
+    assert store.status(fade.run_id) is None  # refused before training
+
+
+def test_a_plugin_task_config_reaches_a_spawned_worker(plugins, monkeypatch):
+    """A worker unpickles a plugin task's config by loading the file the environment names."""
+    from softprior.config import make_run_config
+    cfg = make_run_config("second_occurrence", "unforced", 3, task_options={"vocab": 24})
+    code = ("import pickle, sys, torch; from softprior.tasks import make_task; c = pickle.load(sys.stdin.buffer); "
+            "b = make_task(c.task).sample(4, 32, torch.Generator().manual_seed(0)); print(c.run_id, bool(b.inputs.max() < 24))")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(cfg), capture_output=True, timeout=300,
+                         env={**os.environ, ENV: str(SECOND)})
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split() == [cfg.run_id, "True"]
+
+
+def test_default_criteria_and_claims_are_levels_of_the_span():
+    from softprior.claims import verdicts
+    from softprior.study import default_criteria, study_claims
+    acc = {c.name: c.bounds() for c in default_criteria("acc", 0.1, 0.9)}
+    assert acc["unforced learns"] == pytest.approx((0.5, float("inf")))  # .1 + .5 x .8
+    assert acc["forced_zero does not"] == pytest.approx((float("-inf"), 0.26))  # .1 + .2 x .8
+    mse = {c.name: c.bounds() for c in default_criteria("mse", 1.0, 0.0)}
+    assert mse["unforced learns"] == pytest.approx((float("-inf"), 0.5))
+    assert mse["forced_zero does not"] == pytest.approx((0.8, float("inf")))
+    claims = study_claims("acc", 0.1, 0.9)
+    t = {("fade600", "zero"): 0.81, ("fade600", "zero", "values"): [0.80, 0.82, 0.81], ("fade600", "zero", "n"): 3.0,
+         ("hard_switch1050", "zero"): 0.31, ("hard_switch1050", "zero", "values"): [0.30, 0.32, 0.31],
+         ("hard_switch1050", "zero", "n"): 3.0}
+    got = {cl.name: v for cl, v, _ in verdicts({"study": t}, claims)}
+    assert got["fade keeps"] == "reproduced"  # .81 >= .1 + .7 x .8 = .66 on its interval
+    assert got["late hard switch"] == "reproduced"  # .31 - .81 = -.5 <= -.26 x .8
+    assert got["posthoc fails"] == "not measured"
+
+
+def _verdicts(report: Path) -> str:
+    text = report.read_text()
+    return text[text.index("## Verdicts"):text.index("## 1.")]
+
+
+def _study(task, prior, tmp_path):
+    from softprior.store import RunStore
+    from softprior.study import STUDY_PATHS, StudyError, run_study
+    store = RunStore(tmp_path / "runs")
+    plan = _tiny(task, prior, tmp_path)
+    report = run_study(plan, store, log=lambda m: None)
+    verdict = _verdicts(report)
+    for cl in ("prior helps", "unforced relies", "fade keeps", "linear anneal", "constant gate", "late hard switch",
+               "early hard switch", "posthoc fails"):
+        assert f"**{cl}**" in verdict
+    pre = json.loads((plan.dir / "preregistration.json").read_text())
+    assert pre["record"] in {r["hash"] for r in store.calibration_records()}
+    rows = store.rows()
+    # resumed: nothing more trains, the same verdicts
+    before = len(rows)
+    assert _verdicts(run_study(_tiny(task, prior, tmp_path), store, log=lambda m: None)) == verdict
+    assert len(store.rows()) == before
+    with pytest.raises(StudyError, match="other settings"):
+        run_study(_tiny(task, prior, tmp_path, steps=5), store, log=lambda m: None)
+    return plan, store, len(STUDY_PATHS)
+
+
+def test_study_of_a_plugin_prior_end_to_end(plugins, tmp_path):
+    plan, store, n_paths = _study("assoc_recall", "gaussian_window", tmp_path)
+    cfgs = [store.load_config(r["run_id"]) for r in store.rows()]
+    assert {c.model.prior_family for c in cfgs} == {"gaussian_window"}
+    assert len(cfgs) >= n_paths  # every path (and the search's rows) trained
+    assert (plan.dir / "zero_gate.png").exists() and (plan.dir / "trace.png").exists()
+
+
+def test_study_of_a_plugin_task_end_to_end(plugins, tmp_path):
+    plan, store, n_paths = _study("second_occurrence", "soft", tmp_path)
+    cfgs = [store.load_config(r["run_id"]) for r in store.rows()]
+    assert {c.task.name for c in cfgs} == {"second_occurrence"}
+    assert "ceiling 1.000" in (plan.dir / "REPORT.md").read_text()
