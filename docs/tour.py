@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -21,17 +21,20 @@
 # the attention at zero gate, export a model to TransformerLens, trace its mechanism over training,
 # and read the run store as a DataFrame.
 #
-# **Budget.** `STEPS` (default 3,600, the paper's) and `SEEDS` (default 3) below. At the default, the
-# first run trains 10 runs on two worker processes: about 2.5 minutes on a quiet 2-core machine
-# (estimated from the main job's measured 106 s for its 9 runs), 9.5 minutes measured on 2 cores
-# shared with a busy background job. The runs are kept in the store `tour_runs/` (next to this
-# notebook), so running it again trains nothing. CI runs it with
-# `SOFTPRIOR_TOUR_STEPS=24`: every schedule is then scaled to the budget (as `--quick` does) and the
-# numbers only show that every cell runs.
+# **Budget.** `STEPS` (default 3,600, the paper's) and `SEEDS` (default 3) below. The runs go to the
+# repository's store `./runs`, the one `softprior reproduce removability` trains into: its nine runs
+# are the tour's, so after the main job the tour trains one run (a `fade600` that keeps snapshots);
+# on an empty store it trains 10 runs on two worker processes (about 2.5 minutes on a quiet 2-core
+# machine, estimated from the main job's 140 s for its 9). Running it again trains nothing. CI runs
+# it with `SOFTPRIOR_TOUR_STEPS=24`: every schedule is then scaled to the budget (as `--quick` does)
+# and the numbers only show that every cell runs.
 #
 # **Run it:** `pip install -e ".[tour]"`, then `jupytext --to notebook docs/tour.py` and
-# `jupyter lab docs/tour.ipynb`, or headless: `jupytext --execute docs/tour.py`. This file is the
-# jupytext twin of `tour.ipynb`: edit either and run `jupytext --sync docs/tour.py`.
+# `jupyter lab docs/tour.ipynb`, or headless from the repository root: `softprior tour`, which
+# executes this file and keeps the executed notebook, outputs and all, in `results/tour/tour.ipynb`
+# beside the tour's table and figures (the tracked `docs/tour.py` and `docs/tour.ipynb` are only
+# read). This file is the jupytext twin of `tour.ipynb`: edit either and run
+# `jupytext --sync docs/tour.py`.
 
 # %% tags=["setup"]
 import io
@@ -47,8 +50,10 @@ from softprior import RunStore, get_path, load_results, make_run_config
 STEPS = int(os.environ.get("SOFTPRIOR_TOUR_STEPS", 3600))  # the paper's budget: 3,600 steps
 SEEDS = int(os.environ.get("SOFTPRIOR_TOUR_SEEDS", 3))
 WORKERS = int(os.environ.get("SOFTPRIOR_TOUR_WORKERS", min(2, os.cpu_count() or 1)))
-store = RunStore(os.environ.get("SOFTPRIOR_TOUR_STORE", "tour_runs"))  # reruns reuse its runs
-OUT = Path(store.root) / "report"  # the tour's table and figures
+# the repository root (a notebook opened from docs/ runs there): its store ./runs holds the main job's runs
+ROOT = next((d for d in (Path.cwd(), *Path.cwd().parents) if (d / "pyproject.toml").is_file()), Path.cwd())
+store = RunStore(os.environ.get("SOFTPRIOR_TOUR_STORE", ROOT / "runs"))  # reruns reuse its runs
+OUT = Path(os.environ.get("SOFTPRIOR_TOUR_OUT", ROOT / "results" / "tour"))  # the tour's table and figures
 print(f"budget: {STEPS} steps x {SEEDS} seeds per path, {WORKERS} worker(s), store {store.root}")
 
 
@@ -103,15 +108,18 @@ print(report.line())
 #
 # **What you should see at the default budget** (3,600 steps, 3 seeds):
 #
-# - `unforced`: normal accuracy near 1, zero-gate accuracy at or below chance (1/6: a guess among the
-#   six values in the context). It learned the task *with* the prior and collapses without it.
-# - `forced_zero`: zero-gate accuracy near chance. Without the prior the task is hard to learn in
-#   3,600 steps (on this calibration one seed may partly learn it).
+# - `unforced`: normal accuracy near the task's Bayes ceiling, .781 (a key repeats among the six
+#   pairs with some probability, and then its value is ambiguous: no model can do better on average;
+#   a seed may land a little above it, since 512 examples give a standard error near .018), and
+#   zero-gate accuracy below chance. It learned the task *with* the prior and collapses without it.
+# - `forced_zero`: zero-gate accuracy near .09. Chance, copying a random value of the context, is 1/6;
+#   a model that cannot tell a key from a value (one pool of tokens, no position at zero gate) and
+#   copies any token of the context scores .094, the floor the figure draws.
 # - `fade600`: the question of the paper. The paper reports that the fade keeps zero-gate accuracy
-#   high (.734). **On this calibration the fade may not keep the circuit**: in our runs it keeps part
-#   of it (zero-gate accuracy well above chance, well below unforced's normal accuracy), and the
-#   paper's claim is marked "not reproduced". `docs/RESULTS.md` has the measured verdict with its
-#   seeds; read your numbers against it, not against the paper.
+#   high (.734). **On this calibration the fade does not keep the circuit**: our seeds 0-2 end at
+#   .242, .098 and .207 at zero gate, and the paper's claim is marked "not reproduced".
+#   `docs/RESULTS.md` has the measured verdict with its seeds; read your numbers against it, not
+#   against the paper.
 #
 # At a smaller budget (`SOFTPRIOR_TOUR_STEPS`) none of this need hold: such numbers are a smoke test.
 
@@ -130,20 +138,24 @@ print(f"chance: {chance:.3f}   Bayes ceiling: {agg['ceiling'].iloc[0]:.3f}   see
 
 # %% [markdown]
 # The same table with the paper's values beside ours, and its figure: every seed a point over its
-# bar, the chance line dashed. `write_report` writes what `softprior reproduce removability` writes
-# (`table.md`, `table.csv`, `figure.png`, `curves.png`), here into `tour_runs/report/`.
+# bar, the paper's value beside it, the chance line dashed and the floor below it. `write_report`
+# writes what `softprior reproduce removability` writes (`table.md`, `table.csv`, `formation.csv`,
+# `figure.png`, `curves.png`), here into `results/tour/`.
 
 # %% tags=["report-figure"]
 from IPython.display import Markdown
 
 from softprior.report import write_report
 
-md = write_report(store, get_experiment("removability"), cells, OUT)
+# a look at the runs, not a result: runs trained from a checkout with changes enter it, marked exploratory
+md = write_report(store, get_experiment("removability"), cells, OUT, exploratory=True)
 display(Markdown(md))
 display(Image(filename=str(OUT / "figure.png")))
 
 # %% [markdown]
-# Over training: normal (blue) and zero-gate (red) accuracy, the fade window shaded. For `fade600`
+# Over training: normal (blue) and zero-gate (red) accuracy, the fade window shaded, and under each
+# panel, on its own axis, the gates: the one the path applies (black) and the one "normal" evaluates at
+# (blue, dotted). For `fade600`
 # watch the red line during and after the fade: whatever zero-gate accuracy it ends with is what the
 # fade kept plus what training at g = 0 built on it. In our runs it is still near chance when the fade
 # ends (step 1,050) and climbs over the 2,550 steps at g = 0 that follow, while `forced_zero`, at

@@ -23,17 +23,27 @@ TAGS = ("setup", "train", "contrast-table", "report-figure", "curves", "gates", 
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
-    import nbclient
+    """The tour run as the README says, headless: `softprior tour` in a checkout's root (here a fresh
+    directory standing for one), which keeps the executed notebook in results/tour/tour.ipynb and
+    trains into the root's store ./runs. The tracked twins are read, never written."""
+    import hashlib
+
     import nbformat
+
+    from softprior.cli import main
     tmp = tmp_path_factory.mktemp("tour")
-    env = {"SOFTPRIOR_TOUR_STEPS": str(STEPS), "SOFTPRIOR_TOUR_SEEDS": str(SEEDS), "SOFTPRIOR_TOUR_WORKERS": "1",
-           "SOFTPRIOR_TOUR_STORE": str(tmp / "tour_runs")}
+    twins = [ROOT / "docs" / "tour.py", ROOT / "docs" / "tour.ipynb"]
+    before = [hashlib.sha256(p.read_bytes()).hexdigest() for p in twins]
+    env = {"SOFTPRIOR_TOUR_STEPS": str(STEPS), "SOFTPRIOR_TOUR_SEEDS": str(SEEDS), "SOFTPRIOR_TOUR_WORKERS": "1"}
     with pytest.MonkeyPatch.context() as mp:  # the kernel inherits this process's environment
         for k, v in env.items():
             mp.setenv(k, v)
-        nb = nbformat.read(ROOT / "docs" / "tour.ipynb", as_version=4)
-        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                resources={"metadata": {"path": str(tmp)}}).execute()
+        mp.delenv("SOFTPRIOR_TOUR_STORE", raising=False)
+        mp.chdir(tmp)
+        assert main(["tour", "--notebook", str(ROOT / "docs" / "tour.py")]) == 0
+    assert [hashlib.sha256(p.read_bytes()).hexdigest() for p in twins] == before  # the tracked files unchanged
+    nb = nbformat.read(tmp / "results" / "tour" / "tour.ipynb", as_version=4)  # the outputs, kept
+    nb.metadata["tmp"] = str(tmp)
     return nb
 
 
@@ -78,7 +88,10 @@ def test_no_cell_errors_or_is_silent(executed):
 
 
 def test_setup_and_training(executed):
+    tmp = Path(executed.metadata["tmp"])
     assert f"budget: {STEPS} steps x {SEEDS} seeds per path" in _stdout(executed, "setup")
+    assert _stdout(executed, "setup").rstrip().endswith(f"store {tmp / 'runs'}")  # the root's ./runs
+    assert (tmp / "runs").is_dir() and (tmp / "results" / "tour" / "figure.png").is_file()
     n = len(PATHS) * SEEDS + 1  # and the fade600 run that keeps snapshots
     assert f"{n} runs: 0 already done, {n} trained, 0 failed" in _stdout(executed, "train")
 
@@ -161,5 +174,35 @@ def test_tour_is_documented():
     assert {"jupytext", "jupyterlab"} <= {re.split(r"[<>=\[; ]", d)[0] for d in extra}
     readme = (ROOT / "README.md").read_text()
     for said in ('pip install -e ".[tour]"', "jupytext --to notebook docs/tour.py", "jupyter lab docs/tour.ipynb",
-                 "jupytext --execute docs/tour.py"):
+                 "softprior tour", "results/tour/tour.ipynb"):
         assert said in readme, said
+    assert {"nbclient", "ipykernel"} <= {re.split(r"[<>=\[; ]", d)[0] for d in extra}  # what `softprior tour` runs on
+
+
+def test_tour_reuses_the_main_jobs_runs():
+    """At the paper's budget the tour's nine runs are the main job's (`reproduce removability`), so in the
+    store ./runs they are not trained again."""
+    import jupytext
+    setup, train = (c.source for c in jupytext.read(ROOT / "docs" / "tour.py").cells
+                    if c.cell_type == "code" and {"setup", "train"} & set(c.metadata.get("tags", [])))
+    from softprior import get_path, make_run_config
+    from softprior.experiments import Options, get_experiment
+    tour_cell = {"STEPS": 3600, "make_run_config": make_run_config, "get_path": get_path}  # the setup cell's names
+    exec(train.split("cells = [")[0], tour_cell)  # the tour's own `config`, at the paper's budget
+    main_job = {c.cfg.run_id for c in get_experiment("removability").build(Options())}
+    tour = {tour_cell["config"](p, seed).run_id for p in PATHS for seed in range(3)}
+    assert tour == main_job
+    assert 'ROOT / "runs"' in setup
+
+
+def test_tour_text_matches_the_ceiling():
+    """What the tour says unforced reaches is the registered task's Bayes ceiling, not 1."""
+    import jupytext
+
+    from softprior import make_run_config
+    from softprior.tasks import make_task
+    text = " ".join(c.source for c in jupytext.read(ROOT / "docs" / "tour.py").cells if c.cell_type == "markdown")
+    text = " ".join(text.replace("#", " ").split())
+    ceiling = make_task(make_run_config("assoc_recall").task).bayes_accuracy()[0]
+    assert f"normal accuracy near the task's Bayes ceiling, .{round(ceiling * 1000)}" in text
+    assert "near 1" not in text

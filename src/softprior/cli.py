@@ -871,6 +871,7 @@ def _add_train_parser(sub) -> None:
                    help="train a prediction row even if no calibration record covers its configuration")
     t.set_defaults(fn=cmd_train)
 
+
 def _add_eval_parser(sub) -> None:
     """``softprior eval``: a stored run under gate overrides."""
     e = sub.add_parser("eval", help="evaluate a stored run under a gate override")
@@ -881,8 +882,10 @@ def _add_eval_parser(sub) -> None:
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_eval)
 
+
 def _add_experiment_parsers(sub) -> None:
-    """``softprior reproduce`` and ``softprior report``: an experiment, or the paper; the arguments they share here, each one's own in ``_add_reproduce_args`` / ``_add_report_args``."""
+    """``softprior reproduce`` and ``softprior report``: an experiment, or the paper; the arguments they share
+    here, each one's own in ``_add_reproduce_args`` / ``_add_report_args``."""
     for name, fn, hlp in (("reproduce", cmd_reproduce, "run an experiment's missing runs, then tabulate and plot it"),
                           ("report", cmd_report, "rebuild an experiment's table and figures from the store")):
         r = sub.add_parser(name, help=hlp)
@@ -908,6 +911,7 @@ def _add_experiment_parsers(sub) -> None:
             _add_reproduce_args(r)
         r.set_defaults(fn=fn)
 
+
 def _add_report_args(r) -> None:
     """``softprior report``'s own arguments: a results bundle, and ``report timings``."""
     r.add_argument("--from-bundle", default=None, metavar="DIR", help="read a results bundle (DIR/bundle, "
@@ -929,6 +933,7 @@ def _add_report_args(r) -> None:
                    "before WHEN (ISO 8601, UTC unless it names a zone, or unix seconds), e.g. a sweep's "
                    "time before later sweeps of the same code")
 
+
 def _add_reproduce_args(r) -> None:
     """``softprior reproduce``'s own arguments: where and how runs train."""
     r.add_argument("--executor", default="local", choices=["local", "ray"])
@@ -942,6 +947,7 @@ def _add_reproduce_args(r) -> None:
     r.add_argument("--exploratory", action="store_true",
                    help="train prediction rows even if no calibration record covers their configuration, "
                    "and let runs trained from a dirty tree enter the tables, marked exploratory")
+
 
 def _add_calibrate_parser(sub) -> None:
     """``softprior calibrate``: the search, pre-registration and the robustness map."""
@@ -977,6 +983,7 @@ def _add_calibrate_parser(sub) -> None:
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(fn=cmd_calibrate)
 
+
 def _add_tool_parsers(sub) -> None:
     """``softprior experiments``, ``baselines``, ``bench`` and ``export``."""
     x = sub.add_parser("experiments", help="list experiments")
@@ -1002,6 +1009,7 @@ def _add_tool_parsers(sub) -> None:
     ex.add_argument("--store", default="runs")
     ex.set_defaults(fn=cmd_export)
 
+
 def _add_store_and_listing_parsers(sub) -> None:
     """``softprior store verify``, ``paths`` and ``tasks``."""
     st = sub.add_parser("store", help="check the run store").add_subparsers(dest="store_command", required=True)
@@ -1017,7 +1025,7 @@ def _add_store_and_listing_parsers(sub) -> None:
     tk.add_argument("--ceilings", action="store_true", help="also measure every default's Bayes ceiling "
                     "(Monte Carlo where there is no closed form; imports torch)")
     tk.set_defaults(fn=cmd_tasks)
-    tk.set_defaults(fn=cmd_tasks)
+
 
 def _add_tour_parser(sub) -> None:
     """``softprior tour``: the notebook tour, headless (``softprior.tour``)."""
@@ -1031,11 +1039,12 @@ def _add_tour_parser(sub) -> None:
                     "fewer: a smoke run whose schedules are scaled)")
     tr.set_defaults(fn=cmd_tour)
 
+
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: each command (or family of commands) adds its own parser."""
     p = _Parser(prog="softprior", description="Annealable soft-prior Transformers: train, "
                                 "evaluate and reproduce circuit-removability experiments.")
     sub = p.add_subparsers(dest="command", required=True)
-
     _add_train_parser(sub)
     _add_eval_parser(sub)
     _add_experiment_parsers(sub)
