@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from .criteria import criteria_for, difficulty_rows
+from .criteria import criteria_for
 
 __all__ = ["candidates_table", "write_outputs", "choose", "formation_by_axis"]
 
@@ -32,7 +32,7 @@ def candidates_table(space, cands, fade: dict | None = None) -> str:
     """Markdown: one line per candidate, the difficulty rows' per-seed values, distance and status."""
     rows = space.rows()
     cols = [(r, g) for r in rows for g in ("normal", "zero")]
-    ref = "references (LS / Bayes / 1 GD step)" if space.task == "linear_icl" else "Bayes ceiling"
+    ref = "references (LS / Bayes / 1 GD step)" if _metric(space) == "mse" else "Bayes ceiling"
     head = (["id", "candidate (axes)", "status", "distance", ref] + [f"{r.key} {g}" for r, g in cols]
             + ["circuit forms at (unforced)"])
     if fade is not None:
@@ -57,10 +57,11 @@ def candidate_reference(space, c) -> str:
     of gradient descent (on 2,048 sequences, seed 0); "-" where the task options are infeasible."""
     import torch
 
+    from ..task_configs import task_spec
     from ..tasks import make_task
     from .search import candidate_configs, ceiling
     try:
-        if space.task == "linear_icl":
+        if _metric(space) == "mse" and hasattr(task_spec(space.task).task_class(), "reference_mse"):
             cfg = candidate_configs(space, c.task_options, c.model_options, [0])[0][2]
             task = make_task(cfg.task)
             r = task.reference_mse(task.sample(2048, cfg.model.n_ctx, torch.Generator().manual_seed(0)))
@@ -70,6 +71,12 @@ def candidate_reference(space, c) -> str:
         return " / ".join(f"{v:.3f}" for v in dict.fromkeys(vals))
     except ValueError:
         return "-"
+
+
+def _metric(space) -> str:
+    """The metric of the space's task ("acc" or "mse"), from its generator (the task registry)."""
+    from ..task_configs import task_spec
+    return task_spec(space.task).task_class().metric
 
 
 def _sort_key(v):
@@ -145,7 +152,7 @@ def figure(space, cands, fade: dict, path: Path) -> None:
     ax.set_ylim(floor - 0.04, max([1.05, *(v + 0.05 for v in fade.values() if math.isfinite(v))]))
     ax.set_xlabel("difficulty distance (sum of criterion gaps; 0 = on the paper's rows)\n"
                   "1 seed if pruned, 3 seeds otherwise: not comparable across the two", fontsize=9)
-    ax.set_ylabel(f"fade600->0 zero-gate {'query MSE/d' if space.task == 'linear_icl' else 'accuracy'} (seed 0)")
+    ax.set_ylabel(f"fade600->0 zero-gate {'query MSE/d' if _metric(space) == 'mse' else 'accuracy'} (seed 0)")
     ax.set_title(f"calibration candidates: {space.name} ({len(cands)})")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -171,5 +178,8 @@ def write_outputs(space, cands, out: Path, fade: dict | None = None) -> dict:
     return files
 
 
-def criteria_text(task: str) -> str:
-    return "\n".join(f"- {c.name}: {c.describe()}" for c in criteria_for(task))
+def criteria_text(space) -> str:
+    """The space's criteria, one line each (an identification space: the hard per-seed constraints and
+    the identification rows)."""
+    crit = space.criteria() if hasattr(space, "criteria") else criteria_for(space)
+    return "\n".join(f"- {c.name}: {c.describe()}" for c in crit)
