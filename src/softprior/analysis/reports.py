@@ -215,46 +215,74 @@ def _read_trace(f: Path):
 
 def _continuation_report(store, cells, out, n_examples, max_iter, damping, method, threshold, workers,
                          tol=TOL, curvature="ggn", rel_damping=REL_DAMPING) -> str:
+    """``continuation_report``'s work: the circuits (``_circuits``), the traces (``_continuation_frames``),
+    their values at removal (``_removal_rows``), the text (``_continuation_text``), claims.csv and the figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import pandas as pd
-
-    from .continuation import circuit_heads, removal_step
-    from ..tasks import make_task
 
     done = [c for c in cells if store.is_done(c.cfg.run_id)]
     if not done:
         return ""
+    circuits = _circuits(store, done, n_examples, threshold)
+    settings = dict(n_examples=n_examples, damping=damping, max_iter=max_iter, method=method, tol=tol,
+                    curvature=curvature, rel_damping=rel_damping)
+    all_ = _continuation_frames(store, done, circuits, settings, out, workers)
+    if all_ is None:
+        return ""
+    rows = _removal_rows(all_)
+    lines = _continuation_text(rows, circuits, all_, threshold, **settings)
+    continuation_claims_table(rows).to_csv(out / "claims.csv", index=False, float_format="%.6g")
+    _plot_continuation(all_, out / "continuation.png", plt)
+    lines += ["", "Figure: continuation.png (per task and path, means over seeds; gate g_pos dashed, right axis)."]
+    return "\n".join(lines) + "\n"
 
-    def key(c):
-        return (c.cfg.task.name, c.cfg.model.d_model, c.cfg.seed)
+
+def _trace_key(c) -> tuple:
+    """The runs that share one circuit: same task, width and seed."""
+    return (c.cfg.task.name, c.cfg.model.d_model, c.cfg.seed)
+
+
+def _circuits(store, done, n_examples: int, threshold: float) -> dict[tuple, tuple[list, str]]:
+    """(task, d_model, seed) -> (circuit heads, the row they were read from): ``circuit_heads`` at the
+    final weights of that seed's fade600 run (any run of it where there is none), asked of the source."""
+    from .continuation import circuit_heads
+    from ..tasks import make_task
     circuits: dict[tuple, tuple[list, str]] = {}
     for c in done:
-        if key(c) in circuits:
+        if _trace_key(c) in circuits:
             continue
-        refs = [r for r in done if key(r) == key(c) and r.cfg.path.name.startswith("fade600")]
+        refs = [r for r in done if _trace_key(r) == _trace_key(c) and r.cfg.path.name.startswith("fade600")]
         ref = refs[0] if refs else c
 
         def heads(ref=ref):
             _, model = store.load_model(ref.cfg.run_id)
             task = make_task(ref.cfg.task)
             return circuit_heads(model, task, ref.cfg.validation_batch(task, n=n_examples), threshold)
-        circuits[key(c)] = (ask(store, "circuit", {"run": ref.cfg.run_id, "n_examples": n_examples,
-                                                   "threshold": threshold}, heads,
-                                encode=lambda hs: [list(map(int, h)) for h in hs],
-                                decode=lambda hs: [tuple(h) for h in hs]), ref.row)
+        circuits[_trace_key(c)] = (ask(store, "circuit", {"run": ref.cfg.run_id, "n_examples": n_examples,
+                                                          "threshold": threshold}, heads,
+                                       encode=lambda hs: [list(map(int, h)) for h in hs],
+                                       decode=lambda hs: [tuple(h) for h in hs]), ref.row)
+    return circuits
 
-    def offset(c):
-        parent = c.cfg.parent()
-        return parent.total_steps if parent is not None else 0
-    jobs = [(c.cfg, circuits[key(c)][0], dict(n_examples=n_examples, damping=damping, max_iter=max_iter,
-                                              method=method, step_offset=offset(c), tol=tol, curvature=curvature,
-                                              rel_damping=rel_damping))
-            for c in done]
-    frames = []
+
+def _step_offset(c) -> int:
+    """A derived run's steps start after its parent's."""
+    parent = c.cfg.parent()
+    return parent.total_steps if parent is not None else 0
+
+
+def _continuation_frames(store, done, circuits, settings: dict, out, workers: int):
+    """Every run's continuation trace (``_cached_traces``, asked of the source), each written to
+    ``out/continuation_COL_ROW_seedS.csv``, concatenated with the run's labels, removal step and final
+    zero-gate metric; None if no run has one."""
+    import pandas as pd
+
+    from .continuation import removal_step
+    jobs = [(c.cfg, circuits[_trace_key(c)][0], dict(settings, step_offset=_step_offset(c))) for c in done]
     keys = [{"run": cfg.run_id, "heads": [list(map(int, h)) for h in heads], **kw} for cfg, heads, kw in jobs]
     traces = ask_many(store, "continuation_trace", keys, lambda: _cached_traces(store, jobs, workers), frame=True)
+    frames = []
     for c, df in zip(done, traces):
         if df.empty:
             continue
@@ -262,14 +290,16 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
                   index=False, float_format="%.6g")
         summary = store.summary(c.cfg.run_id)
         df = df.assign(task=c.cfg.task.name, col=c.col or c.cfg.task.name, row=c.row, seed=c.cfg.seed,
-                       model=c.cfg.model.d_model, removal=offset(c) + removal_step(c.cfg.path, c.cfg.total_steps),
+                       model=c.cfg.model.d_model,
+                       removal=_step_offset(c) + removal_step(c.cfg.path, c.cfg.total_steps),
                        zero_metric=summary[f"zero_{summary['metric']}"], metric=summary["metric"])
         frames.append(df)
-    if not frames:
-        return ""
-    all_ = pd.concat(frames, ignore_index=True)
+    return pd.concat(frames, ignore_index=True) if frames else None
 
-    # ---- per (task column, path): the values at removal, over seeds
+
+def _removal_rows(all_) -> list[dict]:
+    """Per (task column, path): the values at removal (the last snapshot before it) and the tangents'
+    statistics, over seeds."""
     rows = []
     for (col, row), g in all_.groupby(["col", "row"], sort=False):
         at, track, res, tsec, conv, dcos = [], [], [], [], [], []
@@ -290,6 +320,12 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
                      "solution_cos": [float(r["solution_cos"]) for r in at], "tracking": track,
                      "rel_residual": res, "seconds": tsec, "converged": conv, "damping_cos": dcos,
                      "zero": [float(v) for v in g.groupby("seed")["zero_metric"].first()]})
+    return rows
+
+
+def _continuation_text(rows, circuits, all_, threshold, *, n_examples, damping, max_iter, method, tol, curvature,
+                       rel_damping) -> list[str]:
+    """The report's lines: what is measured, the table of ``rows``, the circuits, the cost, the verdict."""
     lines = ["Continuation quantities (paper Section 3.3; `softprior.analysis.continuation`), at the last snapshot "
              "before the path removes the prior (fade S: S; hard switch at s: before s; forced_zero: init; posthoc: "
              "the unforced end; unforced: its end), mean ± std over seeds. share = ‖P_C ∇L(θ, 0)‖ / ‖∇L(θ, 0)‖ "
@@ -323,10 +359,7 @@ def _continuation_report(store, cells, out, n_examples, max_iter, damping, metho
                   f"{n_examples} examples, ≤ {max_iter} curvature-vector products), "
                   f"{float(all_[all_['tracking_cos'].isna()]['seconds'].mean()):.2f} s without."]
     lines += ["", _continuation_verdict(rows)]
-    continuation_claims_table(rows).to_csv(out / "claims.csv", index=False, float_format="%.6g")
-    _plot_continuation(all_, out / "continuation.png", plt)
-    lines += ["", "Figure: continuation.png (per task and path, means over seeds; gate g_pos dashed, right axis)."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def continuation_claims_table(rows: list[dict]):
