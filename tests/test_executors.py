@@ -613,3 +613,22 @@ def test_executor_settings_from_the_environment_are_checked(monkeypatch):
             _env_seconds("SOFTPRIOR_CHECKPOINT_SECONDS", 60.0)
     monkeypatch.delenv("SOFTPRIOR_CHECKPOINT_SECONDS")
     assert _env_seconds("SOFTPRIOR_CHECKPOINT_SECONDS", 60.0) == 60.0
+
+
+def test_performance_doc_quotes_the_built_in_group_scaling():
+    """docs/PERFORMANCE.md's built-in rows are ``executors.GROUP_SCALING_BY_MODEL``, and the choice it says
+    they make for the README's job (9 base runs, 2 workers) is ``choose_group_size``'s."""
+    from pathlib import Path
+
+    import softprior.executors as ex
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md").read_text()
+    table = doc.split("Group scaling at 1 thread")[1].split("\n\n")[1]
+    ks = [int(c.strip().removeprefix("K = ")) for c in table.splitlines()[0].strip("|").split("|")[1:]]
+    for model, scaling in ex.GROUP_SCALING_BY_MODEL.items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| {model} (built in) |"))
+        cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+        assert {k: float(c) for k, c in zip(ks, cells) if c} == scaling, model
+    assert ex.GROUP_SCALING_BY_MODEL["base"] is ex.GROUP_SCALING
+    k = ex.choose_group_size(9, 2, ex.GROUP_SCALING)
+    assert f"README's 9-run job in groups of K = {k} on 2 workers" in " ".join(doc.split())
+    assert ex.choose_group_size(3, 2, ex.GROUP_SCALING_BY_MODEL["large"]) == 1  # "and large runs alone"

@@ -278,3 +278,59 @@ def test_a_ledger_without_this_versions_rows_names_the_one_to_ask_for(tmp_path, 
     assert main(["report", "timings", "--store", str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out
     assert "4 rows of other code versions" in out and "the most job time: 0.0.1@bbbbbbbbbbbb" in out
+
+
+def _quoted(text: str, value: float) -> bool:
+    """``text`` ("16,903", "5.07", "31.4%": a percentage of ``value``) is ``value`` at ``text``'s precision."""
+    t = text.strip().rstrip("%").replace(",", "")
+    decimals = len(t.split(".")[1]) if "." in t else 0
+    return float(t) == round(value * (100 if text.strip().endswith("%") else 1), decimals)
+
+
+def test_performance_doc_quotes_the_committed_ledger(capsys):
+    """docs/PERFORMANCE.md's whole-paper figures (section 6), its where-the-time-goes table (section 7)
+    and the README's are what `softprior report timings --from-bundle docs/results` computes from the
+    ledger the committed bundle carries: no figure there is typed by hand."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "docs" / "results" / "bundle" / "ledger.json").is_file():
+        pytest.skip("no committed bundle ledger")
+    capsys.readouterr()
+    assert main(["report", "timings", "--from-bundle", str(root / "docs" / "results"), "--code-version",
+                 "0.1.0@1a7f242198ad", "--until", "2026-12-06T03:00", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = (root / "docs" / "PERFORMANCE.md").read_text()
+    row = next(line for line in doc.splitlines() if "**the whole paper on this engine**" in line)
+    for said in (f"**{t['wall_seconds']:,.0f} s (4 h 42 min) wall, {t['ratio']:.2f}x the floor**",
+                 f"the floor** of {t['floor_seconds']:,.0f} s ({t['flop'] / 1e12:,.0f} TFLOP at {t['gemm_gflops']:.1f} GFLOP/s)",
+                 f"{t['runs']} runs", f"{t['job_seconds']:,.0f} worker-seconds of jobs",
+                 f"reports {t['report_seconds']:,.0f} s"):
+        assert said in row, said
+    assert round(t["wall_seconds"] / 60) == 4 * 60 + 42
+    section = doc.split("## 7. Where the time goes")[1].split("\n\n**Base step**")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| kind")]
+    shown = set()
+    for kind, runs, seconds, share, gflops, x in rows:
+        if kind.startswith("the other kinds"):
+            continue
+        head, *more = kind.split(" / ")
+        kinds = [head] + [head.rsplit(" ", 1)[0] + " " + m for m in more]
+        for k, cols in zip(kinds, zip(*(c.replace(" each", "").split(" / ") for c in (seconds, share, gflops, x)))):
+            v = t["kinds"][k]
+            assert str(v["runs"]) == runs.replace(" each", ""), k
+            for text, value in zip(cols, (v["seconds"], v["share"], v["gflops"], v["x_floor"])):
+                percent = text is cols[1] and not text.endswith("%")  # "6.9 / 5.2 / 2.6%": each a percentage
+                assert _quoted(text + "%" if percent else text, value), (k, text)
+            shown.add(k)
+    other = next(r for r in rows if r[0].startswith("the other kinds"))
+    rest = [v for k, v in t["kinds"].items() if k not in shown]
+    assert f"{min(v['runs'] for v in rest)}-{max(v['runs'] for v in rest)} runs each" in other[0]
+    for cell, f, scale, fmt in ((other[2], "seconds", 1, "{:.0f}"), (other[3], "share", 100, "{:.1f}"),
+                                (other[4], "gflops", 1, "{:.0f}"), (other[5], "x_floor", 1, "{:.1f}")):
+        lo, hi = min(v[f] for v in rest) * scale, max(v[f] for v in rest) * scale
+        assert cell.replace(" each", "").rstrip("%") == f"{fmt.format(lo)}-{fmt.format(hi)}", (f, cell)
+    readme = " ".join((root / "README.md").read_text().split())
+    assert f"({t['wall_seconds']:,.0f} s, {t['runs']} runs; its {t['reports']} reports took " \
+           f"{t['report_seconds']:,.0f} s, summed over their processes)" in readme
+    assert f"{t['ratio']:.2f}x the arithmetic floor" in readme
