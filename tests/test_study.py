@@ -150,3 +150,31 @@ def test_study_of_a_plugin_task_end_to_end(plugins, tmp_path):
     cfgs = [store.load_config(r["run_id"]) for r in store.rows()]
     assert {c.task.name for c in cfgs} == {"second_occurrence"}
     assert "ceiling 1.000" in (plan.dir / "REPORT.md").read_text()
+
+
+def test_a_static_scheme_serves_as_a_removable_prior():
+    """ALiBi's bias (Press et al. 2022: -m_h |i - j|, m_h = 2^(-8 (h+1) / H)) is B^pos under the gate."""
+    from softprior.config import make_run_config
+    from softprior.model import build_model
+    model = build_model(make_run_config("assoc_recall", "unforced", 0, model_options={"prior_family": "alibi"}))
+    x = torch.randint(0, 32, (2, 32))
+    _, cache = model.run_with_cache(x, names_filter="blocks.0.attn.hook_pos_bias")
+    i = torch.arange(32).float()
+    want = torch.stack([-(2.0 ** (-8.0 * (h + 1) / 4)) * (i[:, None] - i[None, :]).abs() for h in range(4)])
+    assert torch.allclose(cache["blocks.0.attn.hook_pos_bias"], want)
+    # the gate removes it: at zero gate the model is the same function whatever the prior family
+    plain = build_model(make_run_config("assoc_recall", "unforced", 0))
+    plain.load_state_dict(model.state_dict(), strict=False)
+    assert torch.allclose(model(x, 0.0, 0.0), plain(x, 0.0, 0.0), atol=1e-5)
+    assert not torch.allclose(model(x, 1.0, 0.0), plain(x, 1.0, 0.0), atol=1e-3)
+
+
+def test_study_errors_are_one_line(tmp_path, capsys):
+    from softprior.cli import main
+    base = ["study", "--store", str(tmp_path / "runs"), "--out", str(tmp_path / "study")]
+    assert main(base + ["--task", "sorting"]) == 2
+    assert main(base + ["--task", "assoc_recall", "--prior", "nope"]) == 2
+    assert main(base + ["--task", "assoc_recall", "--plugin", str(tmp_path / "missing.py")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "unknown task 'sorting'" in err[0] and "unknown prior 'nope'" in err[1]
+    assert "missing.py" in err[2] and "does not exist" in err[2]
