@@ -166,6 +166,26 @@ def identification_criteria(task: str) -> list[Criterion]:
                                    tol=MATCH_Z * r.scale, scale=r.scale) for r in rows_for(task, search_only=True)]
 
 
+def effect_criteria(task: str) -> list[Criterion]:
+    """An exploratory search for where the trajectory effect lives (never a calibration): the hard
+    constraint that the unforced model relies on its prior (zero gate <= .15 on every seed, the paper's
+    .100), and the rows the effect reads (``trajectory_effect``), declared as always-holding bounds."""
+    if task != "assoc_recall":
+        raise ValueError(f"an effect search is declared for assoc_recall only, not {task!r}")
+    reads = [Criterion(name=f"{p} zero", row=_row(p), gates="zero", lo=0.0) for p in EFFECT_PATHS]
+    return [Criterion(name="unforced zero per seed", row=_U, gates="zero", stat="each", hi=0.15)] + reads
+
+
+EFFECT_PATHS = ("fade600", "forced_zero", "hard_switch600")
+
+
+def trajectory_effect(means: dict) -> float:
+    """fade600 zero minus the larger of forced_zero zero and hard_switch600 zero (means over seeds):
+    what a fade keeps that training without the prior, or removing it abruptly, does not."""
+    f, z, h = (means[f"{p}|zero"] for p in EFFECT_PATHS)
+    return f - max(z, h)
+
+
 def criteria_for(task: str, identify: bool = False) -> list[Criterion]:
     return identification_criteria(task) if identify else declared_criteria(task)
 

@@ -7,7 +7,6 @@ import math
 from importlib import resources
 from pathlib import Path
 
-from .criteria import criteria_for
 from .record import CalibrationMissing, calibration_key, make_record
 from .report import candidates_table, choose, criteria_text, formation_by_axis
 from .robustness import claim_counts, mapped, prediction_rows
@@ -24,7 +23,10 @@ def _nearest(cands):
 def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
     """Write the choice (``report.choose``; if no candidate passes, the nearest, marked as failing)
     to the store, and refuse if a prediction row of it was trained before (``CalibrationMissing``, which
-    the command line reports in one line, as it does when no candidate was measured)."""
+    the command line reports in one line, as it does when no candidate was measured). An identification
+    search registers its identified set instead (``register_identified``)."""
+    if space.identify:
+        return register_identified(space, store, cands, steps=steps, ship=ship, doc=doc)
     c = choose(cands)
     passes = c is not None
     if c is None:
@@ -67,9 +69,60 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
     return rec
 
 
+def register_identified(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
+    """Pre-register an identification search's identified set (``identify.identified_at``: measured on
+    five seeds): one record whose keys cover every member's prediction rows, base and large, and which
+    lists each member's options and identification rows. Its task and model options are the best
+    member's. Refuses if a prediction row of any member was trained before it."""
+    from ..records import default_options
+    from .identify import identified_at, member_entry, with_completed
+    members = identified_at(space, with_completed(space, store, cands))
+    if not members:
+        raise CalibrationMissing(f"search {space.name!r} has no candidate measured on five seeds (none measured "
+                                 "yet: run the search with --budget first)")
+    keys = []
+    for c in members:
+        rows = prediction_rows(space.task, True, wide=True)
+        pred = candidate_configs(space, c.task_options, c.model_options, range(space.seeds), rows=rows, steps=steps)
+        early = [cfg.run_id for _, _, cfg in pred if store.status(cfg.run_id) is not None]
+        if early:
+            raise CalibrationMissing(f"cannot pre-register candidate {c.cid}: prediction row {early[0]} of it was "
+                                     "trained before its calibration record")
+        for model in ("base", "large"):
+            sp = space.model_copy(update={"model": model})
+            keys += [calibration_key(cfg) for _, _, cfg in candidate_configs(sp, c.task_options, c.model_options, [0],
+                                                                              rows=rows)]
+    best = members[0]
+    t_def, m_def = default_options(space.task)
+    entries = [member_entry(space, c) for c in members]
+    for e, c in zip(entries, members):  # as ``register``: the options the search built each one from
+        e["task_options"], e["model_options"] = {**t_def, **c.task_options}, {**m_def, **e["model_options"]}
+    passes = all(e["hard_constraints"] and all(r["matched"] for r in e["rows"].values()) for e in entries)
+    rec = make_record(space, entries[0]["task_options"], entries[0]["model_options"], keys,
+                      {"distance": best.distance, "members": len(members)}, passes,
+                      note=f"identified set of {len(members)} of study {space.name}-{space.digest}, best {best.cid}",
+                      extra={"identified": entries})
+    store.write_record(rec)
+    if ship:
+        dest = Path(str(resources.files("softprior.calibration") / "registered")) / f"identified-{space.task}.json"
+        dest.write_text(json.dumps(rec, indent=1, sort_keys=True))
+    if doc:
+        from ..report import splice_into_doc
+        splice_into_doc(doc, f"calibration-record-{space.name}", _record_md(rec) + "\n" + "\n".join(
+            f"- member {e['cid']}: hard constraints {'held' if e['hard_constraints'] else 'broken'}, "
+            f"{sum(bool(r['matched']) for r in e['rows'].values())}/{len(e['rows'])} rows matched, "
+            f"distance {e['distance']:.1f}" for e in entries))
+    return rec
+
+
 def _record_md(rec: dict) -> str:
+    if "identified" in rec:
+        verdict = ("every member holds the hard constraints and matches every row" if rec["passes"] else
+                   "NOT every member holds the hard constraints and matches every row: the best ones")
+    else:
+        verdict = "passes every criterion" if rec["passes"] else "NO candidate passes: this is the nearest"
     lines = [f"**Pre-registered {rec['task']} calibration** `{rec['hash']}`, registered {rec['registered_at']} "
-             f"({'passes every criterion' if rec['passes'] else 'NO candidate passes: this is the nearest'}; "
+             f"({verdict}; "
              f"{rec['note']}).", "",
              f"- task options: `{json.dumps(rec['task_options'], sort_keys=True)}`",
              f"- model options: `{json.dumps(rec['model_options'], sort_keys=True)}`",
@@ -91,11 +144,14 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
     head = [f"Search space `{space.name}` (digest `{space.digest}`, sampler {space.sampler}, "
             f"{space.first_seeds} then {space.seeds} seeds): {len(cands)} candidates measured: "
             + ", ".join(f"{v} {k}" for k, v in n.items()) + ".", "", "Criteria (the only calibration targets):", "",
-            criteria_text(space.task), "", "Axes: " + "; ".join(f"`{k}` {v}" for k, v in space.axes.items()), ""]
+            criteria_text(space), "", "Axes: " + "; ".join(f"`{k}` {v}" for k, v in space.axes.items()), ""]
     form = formation_by_axis(cands)
     splice_into_doc(doc, f"calibration-{space.name}", "\n".join(head) + "\n" + candidates_table(
         space, cands, _fades(space, store, cands, steps))
         + (f"\n\nWhen the unforced circuit forms, by axis value (all measured seeds):\n\n{form}" if form else ""))
+    if space.identify:
+        from .identify import identification_block
+        splice_into_doc(doc, f"identification-{space.name}", identification_block(space, cands))
     counts = claim_counts(space, store, cands, steps=steps)
     m = mapped(space, cands)
     passing = [c for c in cands if c.status == "passes"]
@@ -116,6 +172,9 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
         rel = os.path.relpath(Path(figure).resolve(), Path(doc).resolve().parent)
         lines += ["", f"![candidates]({Path(rel).as_posix()})"]
     splice_into_doc(doc, f"robustness-{space.name}", "\n".join(lines))
+    if space.identify:
+        from .identify import sensitivity_block
+        splice_into_doc(doc, f"sensitivity-{space.name}", sensitivity_block(space, store, cands, steps=steps))
 
 
 def _fades(space, store, cands, steps):

@@ -29,10 +29,12 @@ __all__ = ["covering_records", "calibration_key", "make_record", "save_record", 
 
 
 def make_record(space, task_options: dict, model_options: dict, keys: list[str], measured: dict,
-                passes: bool, note: str = "") -> dict:
+                passes: bool, note: str = "", extra: dict | None = None) -> dict:
+    """A record of a search's choice; ``extra``: more fields it registers (an identified set's members).
+    The tier assignment of the paper's rows (``tiers.tiers_spec``) is registered and hashed with it."""
     from ..claims import claims_spec
-    from .criteria import criteria_for
-    body = {"task": space.task, "space": space.name, "space_digest": space.digest,
+    from ..tiers import tiers_spec
+    body = {**(extra or {}), "tiers": tiers_spec(), "task": space.task, "space": space.name, "space_digest": space.digest,
             "task_options": task_options, "model_options": _jsonable(model_options),
             "keys": sorted(set(keys)), "criteria": [c.describe() for c in space.criteria()],
             "measured": measured, "passes": passes, "note": note,

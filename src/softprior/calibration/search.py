@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ..config import make_run_config, validation_message
 from ..report import formation_step
-from .criteria import PAPER_ACCURACY, Criterion, Row, criteria_for, difficulty_rows
+from .criteria import PAPER_ACCURACY, Criterion, Row, criteria_for, difficulty_rows, trajectory_effect
 from .space import SearchSpace
 
 __all__ = ["Candidate", "run_search", "load_candidates", "complete_nearest", "candidate_configs", "measure",
@@ -123,6 +123,9 @@ def measure(space: SearchSpace, store, t_opts: dict, m_opts: dict, seeds, steps:
     means = {k: sum(v) / len(v) for k, v in values.items()}
     return results, means, values, formation
 
+
+# an effect search measures a candidate on all its seeds only if its first seed shows this much effect
+EFFECT_PROMOTE = 0.15
 
 # the evaluations an identification row reads of a stored run (tiers.READS), beyond its summary
 _EVALS = {"pos=0": ((0.0, None), None), "content=0": ((None, 0.0), None), "T=120": (None, 120)}
@@ -253,8 +256,9 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
         promoted = []
         for tr, t_opts, m_opts in trials:
             res, means, values, form = measure(space, store, t_opts, m_opts, first, steps=steps)
-            dist = sum(r.gap for r in res)
-            tr.set_user_attr("promote", promising(crit, res))
+            dist = space.distance(res, means)
+            tr.set_user_attr("promote", promising(crit, res) and (not space.effect
+                                                                   or trajectory_effect(means) >= EFFECT_PROMOTE))
             tr.report(dist, step=len(first))
             if space.seeds == space.first_seeds:
                 _finish(tr, res, means, values, form, len(first))
@@ -267,7 +271,7 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
         run([c for _, t, m in promoted for _, _, c in candidate_configs(space, t, m, full, steps=steps)])
         for tr, t_opts, m_opts in promoted:
             res, means, values, form = measure(space, store, t_opts, m_opts, full, steps=steps)
-            dist = sum(r.gap for r in res)
+            dist = space.distance(res, means)
             tr.report(dist, step=len(full))
             _finish(tr, res, means, values, form, len(full))
             study.tell(tr, dist)
@@ -314,7 +318,7 @@ def complete_nearest(space: SearchSpace, store, cands: list[Candidate], k: int =
     done = json.loads(f.read_text()) if f.exists() else {}
     for c in todo:
         res, means, values, form = measure(space, store, c.task_options, c.model_options, full, steps=steps)
-        done[c.cid] = {"distance": sum(r.gap for r in res), "passes": all(r.ok for r in res), "means": means,
+        done[c.cid] = {"distance": space.distance(res, means), "passes": all(r.ok for r in res), "means": means,
                        "values": values, "formation": form, "checks": {r.name: r.ok for r in res}}
     store.write_calibration_file(f.name, json.dumps(done, indent=1, sort_keys=True))
     return load_candidates(space, store)
@@ -343,7 +347,7 @@ def load_candidates(space: SearchSpace, store) -> list[Candidate]:
                 res, means, values, form = measure(space, store, t_opts, m_opts, range(space.first_seeds))
             except Exception:  # noqa: BLE001 - runs not (all) stored yet
                 continue
-            out.append(Candidate(t.number, dict(t.params), t_opts, m_opts, "interrupted", sum(r.gap for r in res),
+            out.append(Candidate(t.number, dict(t.params), t_opts, m_opts, "interrupted", space.distance(res, means),
                                  space.first_seeds, means, values, {r.name: r.ok for r in res}, form))
             continue
         if t.state == TrialState.FAIL:
@@ -367,4 +371,7 @@ def load_candidates(space: SearchSpace, store) -> list[Candidate]:
                 c.status = "passes" if e["passes"] else "fails"
                 c.distance, c.means, c.values = e["distance"], e["means"], e["values"]
                 c.formation, c.checks, c.n_seeds = e["formation"], e["checks"], space.seeds
+    if space.identify:  # measured on five seeds before registration (``identify.complete``)
+        from .identify import with_completed
+        out = with_completed(space, store, out)
     return out

@@ -59,6 +59,9 @@ class SearchSpace(BaseModel):
                                           "(axis -> value; axes left out take their first value)")
     identify: bool = Field(False, description="score candidates on the identification rows (tiers.py), the "
                            "per-seed difficulty criteria kept as hard constraints, instead of the difficulty rows")
+    effect: bool = Field(False, description="exploratory: maximise the trajectory effect itself (fade600 zero "
+                         "minus the larger of forced_zero and hard_switch600 zero; unforced zero <= .15 on every "
+                         "seed); its runs belong in a store of their own and never enter a verdict table")
     difficulty: list[Criterion] | None = Field(None, description="this space's difficulty criteria (`softprior "
                                                "study`: the user's, or its defaults); None: the task's")
 
@@ -104,6 +107,8 @@ class SearchSpace(BaseModel):
             for k, v in point.items():
                 if k not in self.axes or v not in self.axes[k]:
                     raise ValueError(f"enqueue: {k}={v!r} is not a value of an axis")
+        if self.identify and self.effect:
+            raise ValueError("identify and effect exclude each other: one objective per search")
         if self.difficulty is None:
             declared_criteria(self.task)  # ValueError: the task declares none
         elif not self.difficulty:
@@ -113,23 +118,33 @@ class SearchSpace(BaseModel):
     @property
     def digest(self) -> str:
         d = self.model_dump(mode="json")
-        if not d["identify"]:  # added later: a difficulty space keeps its digest (and its Optuna study)
-            del d["identify"]
+        for later in ("identify", "effect"):  # added later: a difficulty space keeps its digest (and its study)
+            if not d[later]:
+                del d[later]
         if d["difficulty"] is None:  # likewise
             del d["difficulty"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def criteria(self):
-        from .criteria import criteria_for
+        from .criteria import criteria_for, effect_criteria
+        if self.effect:
+            return effect_criteria(self.task)
         if self.difficulty is not None and not self.identify:
             return list(self.difficulty)
         return criteria_for(self.task, self.identify)
 
     def rows(self):
-        from .criteria import difficulty_rows
-        if self.difficulty is not None and not self.identify:
-            return list(dict.fromkeys(c.row for c in self.difficulty))
-        return difficulty_rows(self.task, self.identify)
+        """The rows every candidate trains: those its criteria read, in declaration order."""
+        return list(dict.fromkeys(c.row for c in self.criteria()))
+
+    def distance(self, results, means: dict) -> float:
+        """What the search minimises: the sum of the criteria's gaps (difficulty or identification), or
+        for an effect search minus the trajectory effect (``criteria.trajectory_effect``) plus 1 per
+        broken hard constraint."""
+        if not self.effect:
+            return sum(r.gap for r in results)
+        from .criteria import trajectory_effect
+        return -trajectory_effect(means) + sum(not r.ok for r in results)
 
     def labels(self, key: str) -> list[str]:
         """Optuna's categorical choices: each value's JSON text (lists such as prior_layers included)."""

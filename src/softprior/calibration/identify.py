@@ -1,0 +1,229 @@
+"""Identification: which candidate models match the paper's static numbers (``softprior.tiers``).
+
+A candidate of an identification search (``SearchSpace.identify``) is measured on every identification
+row a base run can give (``PaperRow.search``). For each row, its distance from the paper is
+z = |mean - paper| / scale (the paper's spread, at least one validation standard error, or a stated
+tolerance: ``PaperRow.scale``); the row is *matched* when z <= ``tiers.MATCH_Z``. The per-seed
+difficulty criteria stay hard constraints. The candidate's search distance is the sum of its z's.
+
+The *identified set* (``identified``) is declared before any trajectory row runs on it: every candidate
+measured on all of the space's seeds that holds the hard constraints on every seed and matches every
+row; if fewer than ``MIN_SET`` do, the ``MIN_SET`` best (hard constraints first, then the most rows
+matched, then the smallest distance), so the trajectory claims are decided on a set of models rather
+than on one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from ..tiers import MATCH_Z, rows_for
+
+__all__ = ["MIN_SET", "REGISTER_SEEDS", "row_values", "matched_rows", "hard_ok", "identified", "identified_at",
+           "identified_set", "identification_block", "complete", "with_completed", "member_entry", "conflicts"]
+
+MIN_SET = 10
+
+
+def _crit(space):
+    return [c for c in space.criteria() if c.scale is not None]
+
+
+def row_values(space, cand) -> dict[str, list[float]]:
+    """Per identification row (by name): the candidate's per-seed values."""
+    return {c.name: cand.values.get(f"{c.row.key}|{c.gates}", []) for c in _crit(space)}
+
+
+def matched_rows(space, cand) -> dict[str, bool | None]:
+    """Per identification row: matched (mean within MATCH_Z of its scale), or None if not measured."""
+    out = {}
+    for c in _crit(space):
+        v = cand.values.get(f"{c.row.key}|{c.gates}")
+        out[c.name] = None if not v else abs(sum(v) / len(v) - c.target) <= MATCH_Z * c.scale
+    return out
+
+
+def hard_ok(space, cand) -> bool:
+    """Every per-seed difficulty criterion holds on every measured seed."""
+    return all(cand.checks.get(c.name, False) for c in space.criteria() if c.scale is None)
+
+
+def _rank(space, cand):
+    m = matched_rows(space, cand)
+    d = cand.distance if not math.isnan(cand.distance) else math.inf
+    return (not hard_ok(space, cand), -sum(bool(x) for x in m.values()), d, cand.cid)
+
+
+def identified(space, cands, k: int = MIN_SET) -> list:
+    """The identified set (module docstring), best first: candidates measured on every seed only."""
+    full = [c for c in cands if c.n_seeds >= space.seeds and c.status in ("passes", "fails")]
+    ranked = sorted(full, key=lambda c: _rank(space, c))
+    passing = [c for c in ranked if hard_ok(space, c) and all(matched_rows(space, c).values())]
+    return passing if len(passing) >= k else ranked[:k]
+
+
+def identified_set(space, cands) -> list:
+    """The identified set as it stands: over the five-seed measurements once any exist (registration),
+    else over the search's own seeds."""
+    return identified_at(space, cands) or identified(space, cands)
+
+
+def _paper(r) -> str:
+    if r.spread is not None:
+        return f"{r.paper:g} ± {r.spread:g}"
+    return f"{r.paper:g}" if r.paper is not None else "-"
+
+
+def identification_block(space, cands, top: int = 30) -> str:
+    """Markdown for docs/CALIBRATION.md: the rows, the paper's values and scales, then per candidate
+    (best first, at most ``top``; the rest are in candidates.json) the measured mean of every row,
+    marked where it is matched."""
+    rows = [r for r in rows_for(space.task) if r.model == space.model or r.read == "params"]
+    crit = {c.name: c for c in _crit(space)}
+    lines = [f"Identification rows of `{space.task}` (`src/softprior/tiers.py`; a row is matched within "
+             f"{MATCH_Z:g} units of its scale):", "",
+             "| row | paper | scale | where | why identification | measured on every candidate |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.name} | {_paper(r)} | {r.scale:g} | {r.where} | {r.reason} | "
+                     f"{'yes' if r.name in crit else 'on the identified set'} |")
+    names = list(crit)
+    measured = [c for c in cands if c.status in ("passes", "fails", "pruned")]
+    ranked = sorted(measured, key=lambda c: _rank(space, c))
+    ids = {c.cid for c in identified_set(space, cands)}
+    lines += ["", f"{len(measured)} candidates measured; the {min(top, len(ranked))} best "
+              "(per-seed difficulty constraints held first, then rows matched, then distance). "
+              "A value in bold is matched; * marks the identified set.", "",
+              "| id | seeds | hard constraints | matched | distance | " + " | ".join(names) + " | candidate |",
+              "|" + "---|" * (len(names) + 6)]
+    for c in ranked[:top]:
+        m = matched_rows(space, c)
+        vals = row_values(space, c)
+        cells = []
+        for n in names:
+            v = vals[n]
+            s = "-" if not v else f"{sum(v) / len(v):.3f}"
+            cells.append(f"**{s}**" if m[n] else s)
+        lines.append(f"| {c.cid}{'*' if c.cid in ids else ''} | {c.n_seeds} | {'held' if hard_ok(space, c) else 'broken'} "
+                     f"| {sum(bool(x) for x in m.values())}/{len(names)} | {c.distance:.1f} | " + " | ".join(cells)
+                     + f" | {c.label} |")
+    return "\n".join(lines)
+
+
+def conflicts(space, cands) -> list[tuple[str, str, int, int, int]]:
+    """Pairs of rows that the measured candidates rarely match together: (row a, row b, matched a,
+    matched b, matched both), over candidates that hold the hard constraints. Two rows each matched by
+    some candidates but never together are in conflict within the searched family."""
+    ok = [c for c in cands if c.status in ("passes", "fails", "pruned") and hard_ok(space, c)]
+    ms = [matched_rows(space, c) for c in ok]
+    names = [c.name for c in _crit(space)]
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            na = sum(bool(m[a]) for m in ms)
+            nb = sum(bool(m[b]) for m in ms)
+            both = sum(bool(m[a]) and bool(m[b]) for m in ms)
+            out.append((a, b, na, nb, both))
+    return out
+
+
+def options_json(c) -> str:
+    return json.dumps({**c.task_options, **{k: list(v) if isinstance(v, tuple) else v
+                                             for k, v in c.model_options.items()}}, sort_keys=True)
+
+
+REGISTER_SEEDS = 5  # a candidate enters the identified set only once measured on five seeds
+
+
+def _completed_file(space, store):
+    from .search import study_name
+    return store.calibration_dir() / f"{study_name(space)}-identified.json"
+
+
+def with_completed(space, store, cands) -> list:
+    """``cands`` with the five-seed measurements of ``complete`` where they exist (status, values,
+    distance and checks as measured on ``REGISTER_SEEDS`` seeds)."""
+    f = _completed_file(space, store)
+    done = json.loads(f.read_text()) if f.exists() else {}
+    for c in cands:
+        e = done.get(c.cid)
+        if e is not None:
+            c.status = "passes" if e["passes"] else "fails"
+            c.distance, c.means, c.values = e["distance"], e["means"], e["values"]
+            c.formation, c.checks, c.n_seeds = e["formation"], e["checks"], REGISTER_SEEDS
+    return cands
+
+
+def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **execute_kw) -> list:
+    """Measure the best candidates (ranked on the seeds the search measured them on: three, or one if it
+    pruned them) on ``REGISTER_SEEDS`` seeds until ``k``
+    of them hold the hard constraints on all five, or no candidate is left. A candidate that three seeds
+    put near the top but five do not (a rare failure three cannot see) drops out, and the next is
+    measured. Resumable: the measurements are kept beside the study."""
+    from ..executors import execute
+    from .search import candidate_configs, measure
+    seeds = list(range(REGISTER_SEEDS))
+    f = _completed_file(space, store)
+    while True:
+        cands = with_completed(space, store, cands)
+        pool = sorted([c for c in cands if c.status in ("passes", "fails", "pruned")], key=lambda c: _rank(space, c))
+        held = [c for c in pool if c.n_seeds >= REGISTER_SEEDS and hard_ok(space, c)]
+        todo = [c for c in pool if c.n_seeds < REGISTER_SEEDS][:max(0, k - len(held))]
+        if not todo:
+            return cands
+        log(f"identify: measuring {len(todo)} candidate(s) on {REGISTER_SEEDS} seeds: {', '.join(c.cid for c in todo)}")
+        cfgs = [cfg for c in todo for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, seeds,
+                                                                    steps=steps)]
+        execute(cfgs, store, require_calibration=False, **execute_kw)
+        done = json.loads(f.read_text()) if f.exists() else {}
+        for c in todo:
+            res, means, values, form = measure(space, store, c.task_options, c.model_options, seeds, steps=steps)
+            done[c.cid] = {"distance": space.distance(res, means), "passes": all(r.ok for r in res), "means": means,
+                           "values": values, "formation": form, "checks": {r.name: r.ok for r in res}}
+        store.write_calibration_file(f.name, json.dumps(done, indent=1, sort_keys=True))
+
+
+def identified_at(space, cands, k: int = MIN_SET) -> list:
+    """``identified`` over the candidates measured on ``REGISTER_SEEDS`` seeds only."""
+    return identified(space.model_copy(update={"seeds": REGISTER_SEEDS}), cands, k)
+
+
+def member_entry(space, c) -> dict:
+    """What a record keeps of one member of the identified set: its options, per row its per-seed values,
+    mean, z and whether it matched, and whether the hard constraints held."""
+    rows = {}
+    for cr in _crit(space):
+        v = c.values.get(f"{cr.row.key}|{cr.gates}", [])
+        mean = sum(v) / len(v) if v else None
+        rows[cr.name] = {"values": v, "mean": mean, "z": None if mean is None else abs(mean - cr.target) / cr.scale,
+                         "matched": matched_rows(space, c)[cr.name]}
+    return {"cid": c.cid, "task_options": c.task_options,
+            "model_options": {k: list(v) if isinstance(v, tuple) else v for k, v in c.model_options.items()},
+            "hard_constraints": hard_ok(space, c), "distance": c.distance, "rows": rows}
+
+
+def sensitivity_block(space, store, cands, claim: str = "fade keeps (base)", steps=None) -> str:
+    """For each value of each axis, the share of the identified configurations on which ``claim`` is
+    reproduced (its interval over seeds above the threshold: a fade keeping at least .77 x ceiling), of
+    those on which it was decided. A marginal view over a set of ten-odd configurations, not a factorial
+    design: say so beside it."""
+    from .robustness import claim_counts
+    res = next((r for cl, _, _, r in claim_counts(space, store, cands, steps=steps) if cl.name == claim), [])
+    if not res:
+        return f"No identified configuration has claim {claim!r} measured yet."
+    by: dict[str, dict[str, list]] = {}
+    for c, verdict in res:
+        for axis, label in c.params.items():
+            by.setdefault(axis.split(".", 1)[1], {}).setdefault(label, []).append(verdict)
+    lines = [f"Claim \"{claim}\" on the {len(res)} identified configurations, by axis value: reproduced / "
+             "decided (y), inconclusive (~), not measured (?).", "",
+             "| axis | value: reproduced of decided (inconclusive, not measured) |", "|---|---|"]
+    for axis, vals in sorted(by.items()):
+        cells = []
+        for label, vs in sorted(vals.items()):
+            dec = [v for v in vs if v in (True, False)]
+            cells.append(f"{json.loads(label)}: {sum(v is True for v in dec)}/{len(dec)}"
+                         + (f" (~{sum(v == 'inconclusive' for v in vs)}, ?{sum(v is None for v in vs)})"
+                            if len(dec) < len(vs) else ""))
+        lines.append(f"| {axis} | {'; '.join(cells)} |")
+    return "\n".join(lines)

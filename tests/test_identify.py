@@ -1,0 +1,152 @@
+"""Identification (src/softprior/tiers.py, calibration/identify.py): the paper's rows in two tiers, the
+distance of a candidate from each identification row in units of its scale, the identified set, and
+its pre-registration end to end (a tiny search: 20 steps)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from softprior.calibration import Criterion, Row, calibration_key, load_space
+from softprior.calibration.identify import MIN_SET, hard_ok, identified, matched_rows
+from softprior.calibration.record import RecordRefused, check_calibrated, make_record, verify_record
+from softprior.calibration.search import Candidate
+from softprior.config import make_run_config
+from softprior.tiers import IDENTIFICATION, ROWS, SE_FLOOR, TRAJECTORY, PaperRow, tiers_spec
+
+
+# ------------------------------------------------------------------ rows and distances, by hand
+def test_scale_is_the_papers_spread_floored_at_one_standard_error_or_the_stated_tolerance():
+    tight = PaperRow("r", "identification", "assoc_recall", "base", "forced_const0.5", "normal", 0.164, spread=0.003)
+    assert tight.scale == SE_FLOOR == 0.02  # .003 is below what 512 validation examples resolve
+    assert tight.z(0.204) == pytest.approx(2.0) and tight.matched(0.2039)
+    assert not tight.matched(0.2041) and not tight.matched(0.1239)
+    wide = PaperRow("w", "identification", "assoc_recall", "base", "fade600", "zero", 0.734, spread=0.028)
+    assert wide.scale == 0.028 and wide.z(0.678) == pytest.approx(2.0)
+    tol = PaperRow("t", "identification", "assoc_recall", "base", "unforced", "T=120", 0.263, tol=0.05)
+    assert tol.scale == 0.05 and tol.matched(0.363) and not tol.matched(0.364)
+
+
+def test_an_identification_criterion_measures_its_gap_in_units_of_scale():
+    c = Criterion(name="const", row=Row(path="forced_const0.5"), gates="zero", target=0.114, tol=0.04, scale=0.02)
+    r = c.check([0.134, 0.174])  # mean .154: two units above .114, on the boundary
+    assert r.ok and r.gap == pytest.approx(2.0)
+    r = c.check([0.16])
+    assert not r.ok and r.gap == pytest.approx(2.3)
+
+
+def test_tiers_hold_every_static_row_of_the_paper_once():
+    names = [r.name for r in ROWS]
+    assert len(names) == len(set(names))
+    ident = {(r.model, r.source, r.read): r.paper for r in IDENTIFICATION if r.task == "assoc_recall"}
+    # Table 1 both sizes, the constant gate included; Sec. 4.2's interventions; Sec. 4.5's length test
+    assert ident[("base", "forced_const0.5", "normal")] == 0.164 and ident[("base", "forced_const0.5", "zero")] == 0.114
+    assert ident[("large", "forced_const0.5", "normal")] == 0.212 and ident[("large", "unforced", "normal")] == 0.797
+    assert ident[("base", "unforced", "pos=0")] == 0.073 and ident[("base", "unforced", "content=0")] == 0.791
+    assert ident[("base", "unforced", "T=120")] == 0.263 and ident[("base", "soft_content_only", "normal")] == 0.067
+    assert {"base", "large"} == {r.model for r in IDENTIFICATION if r.read == "params"}
+    # every trajectory row changes or removes the prior during training: none is a calibration target
+    assert all(r.tier == "trajectory" for r in TRAJECTORY) and all(r.reason for r in ROWS)
+    assert {r.source for r in TRAJECTORY} >= {"fade600", "linear0.5->0", "hard_switch1050", "hard_switch600",
+                                              "posthoc", "prior_dropout", "dual_loss"}
+    assert not {r.source for r in IDENTIFICATION} & {"fade600", "hard_switch1050", "posthoc", "linear0.5->0"}
+
+
+def test_a_records_hash_covers_the_tier_assignment():
+    space = load_space("assoc_recall_identify")
+    rec = make_record(space, {}, {}, ["k"], {}, True)
+    assert rec["tiers"] == json.loads(json.dumps(tiers_spec()))
+    verify_record(rec, "r.json")
+    moved = json.loads(json.dumps(rec))
+    row = next(r for r in moved["tiers"] if r["name"] == "hard switch 1050")
+    row["tier"] = "identification"  # a trajectory row moved into the targets after the results were seen
+    with pytest.raises(RecordRefused, match="not the hash of its content"):
+        verify_record(moved, "r.json")
+
+
+# ------------------------------------------------------------------ the identified set
+def _cand(space, cid: int, values: dict[str, float], hard: bool, distance: float) -> Candidate:
+    crit = space.criteria()
+    vals = {f"{c.row.key}|{c.gates}": [values.get(c.name, c.target if c.target is not None else 0.5)]
+            for c in crit}
+    checks = {c.name: (hard if c.scale is None else True) for c in crit}
+    return Candidate(cid, {"id": str(cid)}, {}, {}, "fails", distance, 3, {}, vals, checks)
+
+
+def test_the_identified_set_ranks_hard_constraints_then_matched_rows_then_distance():
+    space = load_space("assoc_recall_identify")
+    off = {"forced_const0.5 base normal": 0.78}  # the constant gate learns: one row unmatched
+    a = _cand(space, 1, {}, True, 5.0)  # every row at the paper's value
+    b = _cand(space, 2, off, True, 1.0)
+    c = _cand(space, 3, {}, False, 0.5)  # matches every row but a seed broke a hard constraint
+    d = _cand(space, 4, off, True, 0.8)
+    assert all(matched_rows(space, a).values()) and not matched_rows(space, b)["forced_const0.5 base normal"]
+    assert hard_ok(space, a) and not hard_ok(space, c)
+    got = identified(space, [c, b, a, d], k=3)
+    assert [x.number for x in got] == [1, 4, 2]  # fewer than k pass: the k best
+    many = [_cand(space, i, {}, True, float(i)) for i in range(MIN_SET + 2)]
+    assert len(identified(space, many)) == MIN_SET + 2  # every passing candidate, when at least k pass
+    pruned = _cand(space, 99, {}, True, 0.1)
+    pruned.n_seeds = 1
+    assert pruned not in identified(space, many + [pruned])  # a distance on one seed is not comparable
+
+
+# ------------------------------------------------------------------ end to end (20 steps)
+_SPACE = """
+name = "tiny_identify"
+task = "assoc_recall"
+sampler = "grid"
+seeds = 2
+first_seeds = 1
+identify = true
+[base.task]
+keys = "replacement"
+layout = "pool"
+n_keys = 10
+n_pairs = 6
+[axes]
+"model.content_rank" = [0]
+"model.gate_logit_init" = [0.0, -2.0]
+"""
+
+
+def _cli(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "softprior.cli", "calibrate", "assoc_recall", "--space",
+                           str(tmp_path / "space.toml"), "--steps", "20", "--no-progress", "--group", "1",
+                           "--store", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *args],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+
+
+def test_identification_search_registers_its_set_on_five_seeds_and_covers_only_it(tmp_path):
+    (tmp_path / "space.toml").write_text(_SPACE)
+    r = _cli(tmp_path, "--budget", "2")
+    assert r.returncode == 0, r.stderr
+    r = _cli(tmp_path, "--register", "--doc", str(tmp_path / "doc.md"))
+    assert r.returncode == 0, r.stderr
+    rec = next(json.loads(p.read_text()) for p in (tmp_path / "runs").rglob("*.json")
+               if '"identified"' in p.read_text())
+    assert len(rec["identified"]) == 2 and rec["tiers"] == json.loads(json.dumps(tiers_spec()))
+    for m in rec["identified"]:  # every member measured on five seeds, every row kept with its z
+        row = m["rows"]["forced_const0.5 base zero"]
+        assert len(row["values"]) == 5 and row["z"] == pytest.approx(abs(row["mean"] - 0.114) / 0.02)
+        assert m["rows"]["parameters base (K)"]["mean"] == pytest.approx(35.460)  # 34,816 + B^pos + LN + gates
+    doc = (tmp_path / "doc.md").read_text()
+    assert "<!-- table:identification-tiny_identify -->" in doc and "forced_const0.5 base normal" in doc
+    # a trajectory row of a member is covered by the record; of a configuration outside the set, not
+    member = make_run_config("assoc_recall", "fade600", 0, steps=20, task_options=rec["task_options"],
+                             model_options={**rec["model_options"], "content_rank": 0, "gate_logit_init": -2.0})
+    outside = make_run_config("assoc_recall", "fade600", 0, steps=20, task_options=rec["task_options"],
+                              model_options={**rec["model_options"], "content_rank": 1})
+    assert calibration_key(member) in rec["keys"] and calibration_key(outside) not in rec["keys"]
+    assert check_calibrated([member], tmp_path / "runs") == {member.run_id: rec["hash"]}
+    assert math.isfinite(rec["measured"]["distance"])
+
+
+def test_identify_and_space_together_are_refused_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "softprior.cli", "calibrate", "assoc_recall", "--identify", "--space",
+                        "tiny"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "--identify" in r.stderr
