@@ -4,7 +4,8 @@ batched over a leading run dimension K (K = 1 for a single run).
 ``model.SoftPriorTransformer`` stays the one definition of the model; this module computes the
 same logits from the same parameters (a test holds logits and gradients equal to 1e-5 on random
 weights, ``tests/test_fastpath.py``) with fewer, larger kernels. Autograd does the backward, except
-for two small ``autograd.Function``s with hand-written backwards (``_Gather``, ``_Attention``).
+for two small ``autograd.Function``s with hand-written backwards (``_Gather``, ``_Attention``). ``_Attention``
+runs as the fused C++ operator of ``kernels/attention.py`` where that builds (``_attention``).
 
 What it does differently (each an exact algebraic identity, so only rounding differs):
 
@@ -77,6 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
+from . import kernels
 from .model import ModelConfig
 from .positional.rotary import rotate_pairs  # RoPE's rotation, shared with the readable scheme
 
@@ -349,6 +351,14 @@ def _per_head_rows(W: torch.Tensor, g_content: torch.Tensor, d: int, H: int, dh:
     return W.index_select(1, perm), torch.addcmul(const, g_content[:, :, None], umask).view(K, -1)
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``_Attention`` through the fused C++ operator where it is built (``kernels/attention.py``: the
+    same function and backward, each block's scores kept in cache), else the pure-PyTorch node."""
+    if q.device.type == "cpu" and kernels.available():
+        return kernels.attention(q, k, v, bias)
+    return _Attention.apply(q, k, v, bias)
+
+
 def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return _Gather.apply(table, idx)
 
@@ -458,7 +468,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
             if contextual:  # CoPE, DAPE, GPSA: the scheme's own code between logits and pattern (point 6)
                 z = _contextual_attention(params, cfg, l, qe, ke, v, bias, kpos)
             else:
-                z = _Attention.apply(qe, ke, v, bias)  # [K*H*B, T, dh]
+                z = _attention(qe, ke, v, bias)  # [K*H*B, T, dh]
             z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
             x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 5)
         else:

@@ -1,4 +1,5 @@
-"""What produced a run: package version, git commit, torch, CPU and threads (docs/DESIGN.md, "Calibration").
+"""What produced a run: package version, git commit, torch, CPU, threads and the attention kernel
+(docs/DESIGN.md, "Calibration").
 
 Recorded in every run summary by the process that trains it (so a Ray worker records its own
 machine), and read back by ``load_results`` and ``report``, which warns when one table mixes code
@@ -24,8 +25,13 @@ def _static() -> dict:
 
 
 def provenance() -> dict:
+    """``attention_backend``: the attention the fast path ran in this process, "fused-cpp" (the C++
+    operator, ``kernels/attention.py``) or "torch" (its pure-PyTorch fallback); "unused" where this
+    process has not run it (``kernels.attention_backend(build=False)``: recording it never builds)."""
     import torch
-    return {**_static(), "threads": torch.get_num_threads()}
+
+    from .kernels import attention_backend
+    return {**_static(), "threads": torch.get_num_threads(), "attention_backend": attention_backend(build=False)}
 
 
 def code_version(summary: dict) -> str:

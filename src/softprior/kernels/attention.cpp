@@ -1,0 +1,390 @@
+// Fused attention for softprior's fast path: z = softmax(q k^T + bias) v and its backward, one
+// (run, head, batch) block at a time, the block's scores kept in a thread-local buffer.
+//
+// The operator softprior::attention_forward / attention_backward computes what
+// fastpath._Attention computes (src/softprior/fastpath.py): q [N, Tq, e], k [N, T, e],
+// v [N, T, dh] with N = K*H*B blocks in head-major order [K, H, B]; bias [K, H, Tq, T] shared by the
+// B blocks of one (run, head). Backward (the softmax Jacobian applied row-wise, as fastpath's
+// docstring): dP = dz v^T, dS = P * (dP - sum_j dP P), dq = dS k, dk = dS^T q, dv = P^T dz,
+// dbias = sum over the batch of dS.
+//
+// Determinism: every block is computed by one thread with one loop order on buffers of one
+// alignment and padding, whatever N, the thread count or the block's place in memory, and dbias
+// sums the batch in the order b = 0..B-1 for each (run, head); so a run's numbers do not depend on
+// how many runs share the call (tests/test_kernels.py holds a block alone and in a group of 5 equal
+// bitwise). Products are accumulated over the contracted index in order, one output element per
+// vector lane (never a reduction across lanes); rows sum sequentially.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace {
+
+constexpr int64_t VL = 16;  // lanes of a tile: local rows are padded to a multiple of it
+constexpr int64_t R = 8;    // rows computed together: R independent accumulator chains per tile
+
+inline int64_t rounded(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+inline int64_t padded(int64_t n) { return rounded(n, VL); }
+
+template <typename scalar_t>
+struct Lanes {  // VL lanes of scalar_t as one GCC/Clang vector, kept in registers
+  typedef scalar_t type __attribute__((vector_size(VL * sizeof(scalar_t))));
+};
+typedef int32_t Int32Lanes __attribute__((vector_size(VL * sizeof(int32_t))));
+
+// e^x lane by lane, for the softmax: Cephes' expf (S. L. Moshier, Cephes Math Library, expf.c):
+// x = n ln 2 + r with |r| <= ln(2)/2, e^r by its degree-6 polynomial, 2^n by the exponent bits;
+// about 1 ulp. Below -87.3 (e^x under the smallest normal float) it gives 0, so a masked logit
+// (-inf) gives an exact 0, as std::exp does.
+inline Lanes<float>::type exp_lanes(Lanes<float>::type x) {
+  using V = Lanes<float>::type;
+  const V lo = V{} - 87.3f, hi = V{} + 88.3f;
+  V xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  V r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const V z = r * r;
+  V y = V{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const Int32Lanes bits = (__builtin_convertvector(n, Int32Lanes) + 127) << 23;
+  const V scale = reinterpret_cast<const V&>(bits);
+  return x < lo ? V{} : y * scale;
+}
+
+inline Lanes<double>::type exp_lanes(Lanes<double>::type x) {  // float64: for gradcheck, not speed
+  for (int64_t l = 0; l < VL; ++l) x[l] = std::exp(x[l]);
+  return x;
+}
+
+// the lanes' sum (max) in a fixed pairwise order, whatever the compiler: lane l adds lane l + w for
+// w = 8, 4, 2, 1 (by shuffles: extracting lanes one by one cost more than the rest of a softmax row)
+template <typename V, typename Op>
+inline auto lane_reduce(V a, Op op) {
+  a = op(a, __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  a = op(a, __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  a = op(a, __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  a = op(a, __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return a[0];
+}
+static_assert(VL == 16, "lane_reduce's shuffles are written for 16 lanes");
+template <typename V>
+inline auto lane_sum(V a) { return lane_reduce(a, [](V x, V y) { return x + y; }); }
+template <typename V>
+inline auto lane_max(V a) { return lane_reduce(a, [](V x, V y) { return x > y ? x : y; }); }
+
+template <typename T>
+struct Buffer {  // a zeroed, 64-byte aligned scratch array of n elements
+  std::unique_ptr<T[], decltype(&std::free)> ptr;
+  explicit Buffer(int64_t n)
+      : ptr(static_cast<T*>(std::aligned_alloc(64, rounded(n * sizeof(T), 64) + 64)), &std::free) {
+    TORCH_CHECK(ptr, "softprior attention: out of memory for a block buffer");
+    std::fill(ptr.get(), ptr.get() + n, T(0));
+  }
+  T* get() const { return ptr.get(); }
+  T& operator[](int64_t i) const { return ptr[i]; }
+};
+
+struct Shape {
+  int64_t N, B, Tq, T, e, dh;
+};
+
+template <typename scalar_t>
+struct Unaligned {  // VL lanes loaded from or stored to any address
+  typedef scalar_t type __attribute__((vector_size(VL * sizeof(scalar_t)), aligned(sizeof(scalar_t))));
+};
+
+// out[r][c] = sum_{i0 <= i < n} a_r[i * ai] m[i][c] for r < R and c < tiles * VL, accumulated in
+// order of i, one output element per lane (a_r: R row pointers, ai their element stride; m: rows of
+// stride mp holding whole tiles; out: row stride os). A term with a_r[i] = 0 adds an exact 0, so
+// starting past every row's leading zeros (i0) or running past a row's trailing zeros (n) leaves the
+// row's bits as they are.
+template <typename scalar_t>
+inline void rows_times(const scalar_t* const* a, int64_t ai, int64_t i0, int64_t n, const scalar_t* m, int64_t mp,
+                       int64_t tiles, scalar_t* out, int64_t os) {
+  using V = typename Lanes<scalar_t>::type;
+  using U = typename Unaligned<scalar_t>::type;
+  for (int64_t t = 0; t < tiles; ++t) {
+    V acc[R];
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) acc[r] = V{};
+    for (int64_t i = i0; i < n; ++i) {
+      const V mi = *reinterpret_cast<const U*>(m + i * mp + t * VL);
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) acc[r] += a[r][i * ai] * mi;
+    }
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) *reinterpret_cast<U*>(out + r * os + t * VL) = acc[r];
+  }
+}
+
+// R row pointers base + (r0 + r) * stride for r < R; rows at or past `rows` point at row 0 (their
+// results are not used)
+template <typename scalar_t>
+struct Rows {
+  const scalar_t* p[R];
+  Rows(const scalar_t* base, int64_t stride, int64_t r0, int64_t rows) {
+    for (int64_t r = 0; r < R; ++r) p[r] = base + (r0 + r < rows ? r0 + r : 0) * stride;
+  }
+};
+
+// dst[0 .. n) = src[0 .. n), inline: rows are short, and a call to memmove per row cost more than
+// the copy (the build passes -fno-tree-loop-distribute-patterns so that GCC keeps this a loop)
+template <typename scalar_t>
+inline void copy_n(const scalar_t* src, int64_t n, scalar_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+// copies src [rows, cols] (row stride cols) into dst with row stride dp, or transposed into
+// dst[c][r] with row stride dp; the padding stays as it was (zero)
+template <typename scalar_t>
+inline void load_rows(const scalar_t* src, int64_t rows, int64_t cols, scalar_t* dst, int64_t dp) {
+  for (int64_t r = 0; r < rows; ++r) copy_n(src + r * cols, cols, dst + r * dp);
+}
+template <typename scalar_t>
+inline void load_transposed(const scalar_t* src, int64_t rows, int64_t cols, scalar_t* dst, int64_t dp) {
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) dst[c * dp + r] = src[r * cols + c];
+}
+
+// What the bias masks, per (run, head): lim[kh][i], one past the last key query i sees; first[kh][j],
+// the first query that sees key j (Tq where none); the bias padded to TP columns with -inf (and -inf
+// past lim). The B blocks of a (run, head) share it, so it is found once per call.
+template <typename scalar_t>
+struct Mask {
+  std::vector<int64_t> lim, first;
+  Buffer<scalar_t> bias;
+  Mask(const scalar_t* b, int64_t KH, int64_t Tq, int64_t T)
+      : lim(rounded(KH * Tq, R) + R, 0), first(KH * rounded(T, R) + R, Tq), bias(KH * Tq * padded(T)) {
+    const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
+    const int64_t TP = padded(T), KR = rounded(T, R);
+    for (int64_t kh = 0; kh < KH; ++kh)
+      for (int64_t i = 0; i < Tq; ++i) {
+        const scalar_t* row = b + (kh * Tq + i) * T;
+        int64_t j = T;
+        while (j > 0 && row[j - 1] == ninf) --j;
+        lim[kh * Tq + i] = j;
+        scalar_t* out = bias.get() + (kh * Tq + i) * TP;
+        for (int64_t c = 0; c < TP; ++c) out[c] = c < j ? row[c] : ninf;
+        for (int64_t c = 0; c < j; ++c)
+          if (row[c] != ninf && first[kh * KR + c] == Tq) first[kh * KR + c] = i;
+      }
+  }
+  // the largest lim of query rows g*R .. g*R+R-1 of (run, head) kh (rows past Tq count 0)
+  int64_t group_lim(int64_t kh, int64_t Tq, int64_t g) const {
+    int64_t m = 0;
+    for (int64_t i = g * R; i < std::min(Tq, g * R + R); ++i) m = std::max(m, lim[kh * Tq + i]);
+    return m;
+  }
+};
+
+// src itself where its rows (stride cols) are whole tiles, else a copy in buf with rows padded to tiles
+template <typename scalar_t>
+inline const scalar_t* as_tiles(const scalar_t* src, int64_t rows, int64_t cols, scalar_t* buf) {
+  if (cols % VL == 0) return src;
+  load_rows(src, rows, cols, buf, padded(cols));
+  return buf;
+}
+
+template <typename scalar_t>
+void forward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t* q, const scalar_t* k,
+                    const scalar_t* v, scalar_t* z, scalar_t* p, int64_t begin, int64_t end) {
+  using V = typename Lanes<scalar_t>::type;
+  const int64_t TP = padded(s.T), DP = padded(s.dh), QR = rounded(s.Tq, R), G = QR / R;
+  const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
+  Buffer<scalar_t> kT(s.e * TP), vb(TP * DP), sc(QR * TP), zb(QR * DP);
+  for (int64_t n = begin; n < end; ++n) {
+    const int64_t kh = n / s.B;
+    const scalar_t* qn = q + n * s.Tq * s.e;
+    load_transposed(k + n * s.T * s.e, s.T, s.e, kT.get(), TP);
+    const scalar_t* vn = as_tiles(v + n * s.T * s.dh, s.T, s.dh, vb.get());
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t glim = mask.group_lim(kh, s.Tq, g), tiles = (glim + VL - 1) / VL;
+      // S = q k^T for R query rows, over the keys some row of the group sees
+      rows_times(Rows<scalar_t>(qn, s.e, g * R, s.Tq).p, 1, 0, s.e, kT.get(), TP, tiles, sc.get() + g * R * TP, TP);
+      for (int64_t i = g * R; i < std::min(s.Tq, g * R + R); ++i) {  // softmax of S + bias, row by row
+        V* x = reinterpret_cast<V*>(sc.get() + i * TP);
+        const V* b = reinterpret_cast<const V*>(mask.bias.get() + (kh * s.Tq + i) * TP);
+        V mx = V{} + ninf;
+        for (int64_t t = 0; t < tiles; ++t) {
+          x[t] += b[t];
+          mx = mx > x[t] ? mx : x[t];
+        }
+        const scalar_t m = lane_max(mx);
+        if (m == ninf) {  // every key masked: softmax is 0/0, NaN, as torch.softmax gives
+          std::fill(sc.get() + i * TP, sc.get() + (i + 1) * TP, std::numeric_limits<scalar_t>::quiet_NaN());
+        } else {
+          V sum = V{};
+          for (int64_t t = 0; t < tiles; ++t) {
+            x[t] = exp_lanes(x[t] - m);
+            sum += x[t];
+          }
+          const scalar_t inv = scalar_t(1) / lane_sum(sum);
+          for (int64_t t = 0; t < tiles; ++t) x[t] *= inv;
+          for (int64_t t = tiles; t < TP / VL; ++t) x[t] = V{};
+        }
+        copy_n(sc.get() + i * TP, s.T, p + (n * s.Tq + i) * s.T);
+      }
+      // z = P v for the group's rows, over the keys it sees, in order
+      rows_times(Rows<scalar_t>(sc.get(), TP, g * R, QR).p, 1, 0, glim, vn, DP, DP / VL, zb.get() + g * R * DP, DP);
+    }
+    for (int64_t i = 0; i < s.Tq; ++i) copy_n(zb.get() + i * DP, s.dh, z + (n * s.Tq + i) * s.dh);
+  }
+}
+
+template <typename scalar_t>
+void backward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t* dz, const scalar_t* q,
+                     const scalar_t* k, const scalar_t* v, const scalar_t* p, scalar_t* dq, scalar_t* dk,
+                     scalar_t* dv, scalar_t* ds_all, int64_t begin, int64_t end) {
+  using V = typename Lanes<scalar_t>::type;
+  const int64_t TP = padded(s.T), DP = padded(s.dh), EP = padded(s.e), QR = rounded(s.Tq, R), G = QR / R,
+                KR = rounded(s.T, R), GK = KR / R;
+  Buffer<scalar_t> vT(s.dh * TP), kb(TP * EP), qb(QR * EP), dzb(QR * DP), pb(QR * TP), dpb(QR * TP), ds(QR * TP),
+      out(std::max(QR, KR) * std::max(EP, DP));
+  for (int64_t n = begin; n < end; ++n) {
+    const int64_t kh = n / s.B;
+    const scalar_t* dzn = dz + n * s.Tq * s.dh;
+    load_transposed(v + n * s.T * s.dh, s.T, s.dh, vT.get(), TP);
+    load_rows(p + n * s.Tq * s.T, s.Tq, s.T, pb.get(), TP);
+    const scalar_t* kn = as_tiles(k + n * s.T * s.e, s.T, s.e, kb.get());
+    const scalar_t* qn = as_tiles(q + n * s.Tq * s.e, s.Tq, s.e, qb.get());
+    const scalar_t* dzt = as_tiles(dzn, s.Tq, s.dh, dzb.get());
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t glim = mask.group_lim(kh, s.Tq, g), tiles = (glim + VL - 1) / VL;
+      // dP = dz v^T over the keys the group sees; dS = P * (dP - sum_j dP P), row by row
+      rows_times(Rows<scalar_t>(dzn, s.dh, g * R, s.Tq).p, 1, 0, s.dh, vT.get(), TP, tiles, dpb.get() + g * R * TP,
+                 TP);
+      for (int64_t i = g * R; i < std::min(s.Tq, g * R + R); ++i) {
+        const V* pi = reinterpret_cast<const V*>(pb.get() + i * TP);
+        const V* dpi = reinterpret_cast<const V*>(dpb.get() + i * TP);
+        V* dsi = reinterpret_cast<V*>(ds.get() + i * TP);
+        V acc = V{};
+        for (int64_t t = 0; t < tiles; ++t) acc += dpi[t] * pi[t];
+        const scalar_t dot = lane_sum(acc);
+        for (int64_t t = 0; t < tiles; ++t) dsi[t] = pi[t] * (dpi[t] - dot);
+        for (int64_t t = tiles; t < TP / VL; ++t) dsi[t] = V{};
+        copy_n(ds.get() + i * TP, s.T, ds_all + (n * s.Tq + i) * s.T);
+      }
+      // dq = dS k for the group's rows
+      rows_times(Rows<scalar_t>(ds.get(), TP, g * R, QR).p, 1, 0, glim, kn, EP, EP / VL, out.get() + g * R * EP, EP);
+    }
+    for (int64_t i = 0; i < s.Tq; ++i) copy_n(out.get() + i * EP, s.e, dq + (n * s.Tq + i) * s.e);
+    // dk = dS^T q and dv = P^T dz, R keys (columns of dS and P) at a time, over the queries from the
+    // first that sees one of them
+    for (int64_t g = 0; g < GK; ++g) {
+      const int64_t* f = mask.first.data() + kh * KR + g * R;
+      const int64_t i0 = *std::min_element(f, f + R);
+      rows_times(Rows<scalar_t>(ds.get(), 1, g * R, s.T).p, TP, i0, s.Tq, qn, EP, EP / VL, out.get() + g * R * EP, EP);
+      for (int64_t j = g * R; j < std::min(s.T, g * R + R); ++j) copy_n(out.get() + j * EP, s.e, dk + (n * s.T + j) * s.e);
+      rows_times(Rows<scalar_t>(pb.get(), 1, g * R, s.T).p, TP, i0, s.Tq, dzt, DP, DP / VL, out.get() + g * R * DP, DP);
+      for (int64_t j = g * R; j < std::min(s.T, g * R + R); ++j)
+        copy_n(out.get() + j * DP, s.dh, dv + (n * s.T + j) * s.dh);
+    }
+  }
+}
+
+Shape check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t bias_blocks) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "softprior attention: q, k, v must be 3-d");
+  TORCH_CHECK(q.device().is_cpu(), "softprior attention: CPU tensors only");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "softprior attention: q, k, v must share a dtype");
+  const int64_t N = q.size(0);
+  TORCH_CHECK(k.size(0) == N && v.size(0) == N && k.size(1) == v.size(1) && k.size(2) == q.size(2),
+              "softprior attention: q [N, Tq, e], k [N, T, e], v [N, T, dh] expected");
+  TORCH_CHECK(bias_blocks > 0 && N % bias_blocks == 0, "softprior attention: the blocks (", N,
+              ") must be a multiple of the bias's K*H (", bias_blocks, ")");
+  return Shape{N, N / bias_blocks, q.size(1), k.size(1), q.size(2), v.size(2)};
+}
+
+at::Tensor checked_bias(const at::Tensor& bias, const Shape& s, const at::Tensor& q) {
+  TORCH_CHECK(bias.dim() == 4 && bias.size(2) == s.Tq && bias.size(3) == s.T && bias.scalar_type() == q.scalar_type(),
+              "softprior attention: bias [K, H, Tq, T] of q's dtype expected");
+  return bias.contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                                     const at::Tensor& bias_) {
+  TORCH_CHECK(bias_.dim() == 4, "softprior attention: bias [K, H, Tq, T] expected");
+  const Shape s = check_shapes(q_, k_, v_, bias_.size(0) * bias_.size(1));
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), bias = checked_bias(bias_, s, q);
+  at::Tensor z = at::empty({s.N, s.Tq, s.dh}, q.options());
+  at::Tensor p = at::empty({s.N, s.Tq, s.T}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "softprior_attention_forward", [&] {
+    const Mask<scalar_t> mask(bias.const_data_ptr<scalar_t>(), s.N / s.B, s.Tq, s.T);
+    at::parallel_for(0, s.N, 1, [&](int64_t begin, int64_t end) {
+      forward_blocks<scalar_t>(s, mask, q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
+                               v.const_data_ptr<scalar_t>(), z.mutable_data_ptr<scalar_t>(),
+                               p.mutable_data_ptr<scalar_t>(), begin, end);
+    });
+  });
+  return {z, p};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& dz_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& p_,
+    const at::Tensor& bias_) {
+  TORCH_CHECK(bias_.dim() == 4, "softprior attention: bias [K, H, Tq, T] expected");
+  const int64_t KH = bias_.size(0) * bias_.size(1);
+  const Shape s = check_shapes(q_, k_, v_, KH);
+  TORCH_CHECK(dz_.sizes() == at::IntArrayRef({s.N, s.Tq, s.dh}) && p_.sizes() == at::IntArrayRef({s.N, s.Tq, s.T}),
+              "softprior attention: dz [N, Tq, dh] and p [N, Tq, T] expected");
+  const at::Tensor dz = dz_.contiguous().to(q_.scalar_type()), q = q_.contiguous(), k = k_.contiguous(),
+                   v = v_.contiguous(), p = p_.contiguous(), bias = checked_bias(bias_, s, q_);
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  at::Tensor ds = at::empty({s.N, s.Tq, s.T}, q.options());
+  at::Tensor db = at::empty(bias.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "softprior_attention_backward", [&] {
+    const Mask<scalar_t> mask(bias.const_data_ptr<scalar_t>(), KH, s.Tq, s.T);
+    at::parallel_for(0, s.N, 1, [&](int64_t begin, int64_t end) {
+      backward_blocks<scalar_t>(s, mask, dz.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(),
+                                k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
+                                p.const_data_ptr<scalar_t>(), dq.mutable_data_ptr<scalar_t>(),
+                                dk.mutable_data_ptr<scalar_t>(), dv.mutable_data_ptr<scalar_t>(),
+                                ds.mutable_data_ptr<scalar_t>(), begin, end);
+    });
+    // dbias[kh] = sum over b = 0..B-1, in that order, of dS[kh*B + b]: per (run, head) and query row
+    const scalar_t* dsp = ds.const_data_ptr<scalar_t>();
+    scalar_t* dbp = db.mutable_data_ptr<scalar_t>();
+    const int64_t T = s.T, Tq = s.Tq, B = s.B;
+    at::parallel_for(0, KH * Tq, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t kh = r / Tq, i = r % Tq;
+        scalar_t* out = dbp + r * T;
+        std::fill(out, out + T, scalar_t(0));
+        for (int64_t b = 0; b < B; ++b) {
+          const scalar_t* src = dsp + ((kh * B + b) * Tq + i) * T;
+          for (int64_t j = 0; j < T; ++j) out[j] += src[j];
+        }
+      }
+    });
+  });
+  return {dq, dk, dv, db};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(softprior, m) {
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor bias) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor dz, Tensor q, Tensor k, Tensor v, Tensor p, Tensor bias) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(softprior, CPU, m) {
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward);
+}
