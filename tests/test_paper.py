@@ -368,3 +368,22 @@ def test_readme_first_screen():
     ceiling = float(t.loc[("unforced", "normal"), "ceiling"])
     top = float(t.loc[("unforced", "normal"), "values"].split(";")[0])
     assert f"so .{round(top * 1000)} is {(top - ceiling) / se:.1f} standard errors above .{round(ceiling * 1000)}" in main
+
+
+def test_identification_table_sets_each_static_row_beside_its_cell():
+    from softprior.paper import identification_table
+    tables = {"paths": {("forced_const0.5", "base normal"): 0.204, ("forced_const0.5", "base normal", "n"): 3.0,
+                        ("forced_const0.5", "base zero"): 0.1641},
+              "length_generalisation": {("soft_bias", "assoc_recall T=120"): 0.795},
+              "static_baselines": {("soft_bias", "assoc_recall normal"): 0.79, ("alibi", "assoc_recall normal"): 0.81,
+                                   ("soft_pos_only", "linear_icl normal"): 0.100, ("t5", "linear_icl normal"): 0.101,
+                                   ("soft_bias", "linear_icl normal"): 0.102, ("dape", "linear_icl normal"): 0.110}}
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in identification_table(tables, {"base": 35.46}).splitlines()}
+    # .204 is two units (.02, the floor under the paper's .003) above .164: matched, on the boundary
+    assert "0.204 (n=3) | 2.0 (0.02) | yes" in rows["forced_const0.5 base normal"]
+    assert "2.5 (0.02) | **no**" in rows["forced_const0.5 base zero"]  # (.1641 - .114) / .02
+    assert "10.6 (0.05) | **no**" in rows["soft_bias at T = 120"]  # (.795 - .263) / .05
+    assert "35.460 | 0.9 (0.525) | yes" in rows["parameters base (K)"]
+    assert "soft_bias ranks 2 of 2 (first: alibi)" in rows["soft_bias highest of 13 (assoc_recall)"]
+    assert "10.0%" in rows["linear_icl: soft_pos_only, t5, soft_bias, dape within 1.5%"]  # (.110 - .100) / .100
+    assert "not measured" in rows["unforced large normal"]

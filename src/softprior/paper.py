@@ -150,6 +150,90 @@ measures, and when its tangents count, is in `CONTINUATION.md`.
 """
 
 
+def _id_cell(r) -> tuple[str, str, str] | None:
+    """The table cell (experiment, row, column) that measures identification row ``r`` (``tiers.py``)."""
+    if r.task == "linear_icl" and r.read in ("normal", "zero"):
+        return "linear_paths", r.source, r.read
+    if r.task != "assoc_recall" or not r.read or r.read == "params":
+        return None
+    if r.source in ("soft_pos_only", "soft_content_only"):
+        return "static_baselines", r.source, f"assoc_recall {r.read}"
+    if r.read in ("pos=0", "content=0"):
+        return "gate_interventions", "soft_bias", f"assoc_recall {r.read}"
+    if r.read == "T=120":
+        return "length_generalisation", "soft_bias", "assoc_recall T=120"
+    return "paths", r.source, f"{r.model} {r.read}"
+
+
+def _rank(tables, col: str, row: str) -> tuple[int, int, str] | None:
+    """(rank of ``row`` by its mean in ``col`` of the static baselines, highest first; rows; the leader)."""
+    t = tables.get("static_baselines", {})
+    means = {k[0]: v for k, v in t.items() if len(k) == 2 and k[1] == col}
+    if row not in means:
+        return None
+    order = sorted(means, key=lambda k: -means[k])
+    return order.index(row) + 1, len(order), order[0]
+
+
+def _qualitative(r, tables) -> str | None:
+    """The measured side of a qualitative identification row (a predicate over the static baselines)."""
+    if r.name.startswith("soft_bias highest"):
+        got = _rank(tables, "assoc_recall normal", "soft_bias")
+        return None if got is None else f"soft_bias ranks {got[0]} of {got[1]} (first: {got[2]})"
+    if r.name.startswith("markov: soft_bias"):
+        got = _rank(tables, "markov p=0.2 normal", "soft_bias")
+        return None if got is None else f"soft_bias ranks {got[0]} of {got[1]} at p = .2 (first: {got[2]})"
+    if r.name.startswith("linear_icl:"):
+        t = tables.get("static_baselines", {})
+        v = [t.get((k, "linear_icl normal")) for k in ("soft_pos_only", "t5", "soft_bias", "dape")]
+        if None in v:
+            return None
+        return f"spread (max - min) / min = {(max(v) - min(v)) / min(v):.1%} ({', '.join(f'{x:.4f}' for x in v)})"
+    return None
+
+
+def identification_table(tables, params: dict[str, float] | None = None) -> str:
+    """The paper's identification rows (``tiers.py``) beside this project's measurement of each, from the
+    experiments' tables (and ``params``: model size -> parameters in thousands, of the configuration the
+    tables ran on): the distance in units of the row's scale and whether it is matched."""
+    from .tiers import IDENTIFICATION, MATCH_Z
+    lines = ["| identification row | where | paper | measured here | distance (scale) | matched |",
+             "|---|---|---|---|---|---|"]
+    for r in IDENTIFICATION:
+        paper = "-" if r.paper is None else f"{r.paper:g}" + (f" ± {r.spread:g}" if r.spread is not None else "")
+        cell, x = _id_cell(r), None
+        if r.read == "params" and params:
+            x = params.get(r.model)
+        elif cell is not None:
+            x = tables.get(cell[0], {}).get(cell[1:])
+        if x is None:
+            q = _qualitative(r, tables)
+            lines.append(f"| {r.name} | {r.where} | {paper} | {q or 'not measured'} | - | - |")
+            continue
+        n = tables.get(cell[0], {}).get((*cell[1:], "n")) if cell else None
+        seeds = f" (n={int(n)})" if n is not None and n == n else ""
+        lines.append(f"| {r.name} | {r.where} | {paper} | {x:.3f}{seeds} | {r.z(x):.1f} ({r.scale:g}) | "
+                     f"{'yes' if r.z(x) <= MATCH_Z else '**no**'} |")
+    return "\n".join(lines)
+
+
+def default_params() -> dict[str, float]:
+    """Parameters (thousands) of the shipped default associative-recall model, base and large."""
+    from .config import make_run_config
+    from .model import build_model
+    return {m: build_model(make_run_config("assoc_recall", model=m)).n_params() / 1000.0 for m in ("base", "large")}
+
+
+_ID_HEAD = """## Identification rows
+
+The paper's numbers that involve no gate trajectory (a constant or learned gate, or no prior), declared
+in `src/softprior/tiers.py`, beside the same cells of the tables below. They describe the model and the
+task, so they are what a configuration is identified by (`CALIBRATION.md`, "Identification"); a row is
+matched within 2 units of its scale (the paper's spread, at least one validation standard error, .02,
+or a stated tolerance). The parameter counts are the shipped default configuration's.
+"""
+
+
 def formation_summary(results_dir: str | Path, names=None) -> str:
     """When the unforced circuit forms (normal accuracy first above .5), per seed, from each experiment's
     ``formation.csv`` (``report.formation_table``). A diagnostic beside the verdicts, never a target:
@@ -177,7 +261,8 @@ def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extr
     results_dir = Path(results_dir)
     tables = load_tables(results_dir)
     formation = formation_summary(results_dir, names)
-    parts = [_HEAD, verdict_table(tables, results_dir), ""] + ([formation, ""] if formation else [])
+    parts = [_HEAD, verdict_table(tables, results_dir), "", _ID_HEAD, identification_table(tables, default_params()),
+             ""] + ([formation, ""] if formation else [])
     notes = results_dir / "NOTES.md"  # prose that explains the tables (no numbers: those come from them)
     if notes.exists():
         parts += [notes.read_text().strip(), ""]
