@@ -150,3 +150,19 @@ def test_identify_and_space_together_are_refused_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "softprior.cli", "calibrate", "assoc_recall", "--identify", "--space",
                         "tiny"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "--identify" in r.stderr
+
+
+def test_length_variants_read_one_run_three_ways(tmp_path):
+    from softprior.calibration.identify import length_variants
+    from softprior.executors import execute
+    from softprior.store import RunStore
+    store = RunStore(tmp_path / "s")
+    cfg = make_run_config("assoc_recall", "unforced", 0, steps=4, eval_every=2, n_val=64,
+                          task_options={"keys": "replacement", "layout": "pool", "n_keys": 10, "n_pairs": 6})
+    assert not execute([cfg], store, progress=False).failed
+    got = length_variants(store, cfg)
+    assert set(got) == {"clip", "no bias beyond", "pairs fill"}
+    # 6 pairs at length 32 fill to min(6 x 120 // 32, 31 - 10 keys) = 21 pairs: ceiling (1 - .9^21) 10 / 21
+    assert got["pairs fill"][1] == pytest.approx((1 - 0.9 ** 21) * 10 / 21)
+    assert got["clip"][1] == got["no bias beyond"][1] == pytest.approx((1 - 0.9 ** 6) * 10 / 6)
+    assert all(0.0 <= acc <= 1.0 for acc, _ in got.values())

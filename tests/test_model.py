@@ -435,3 +435,30 @@ def test_unknown_hook_name(model):
     with pytest.raises(KeyError, match="hook_nonsense"):
         with model.hooks([("blocks.0.attn.hook_nonsense", lambda t, n: t)]):
             pass
+
+
+def test_pos_bias_past_the_training_length_is_clipped_or_zero():
+    """offsets >= n_ctx (only at evaluation lengths > n_ctx): the last learned offset's value, or no bias"""
+    import torch
+
+    from softprior.model import SoftPriorTransformer
+    from softprior.model_config import ModelConfig
+    for beyond in ("clip", "zero"):
+        cfg = ModelConfig(n_ctx=8, prior_init="bounded", prior_scale=1.0, prior_cap=3.0, pos_beyond=beyond)
+        m = SoftPriorTransformer(cfg)
+        _, cache = m.run_with_cache(torch.randint(0, 32, (1, 12)), names_filter="blocks.0.attn.hook_pos_bias")
+        b = cache["blocks.0.attn.hook_pos_bias"]  # [H, 12, 12]
+        table = m.blocks[0].attn.pos_bias.detach()
+        assert torch.equal(b[:, 7, 0], table[:, 7])  # offset 7 < n_ctx: the table itself
+        far = b[:, 11, 1]  # offset 10 >= n_ctx = 8
+        assert torch.equal(far, table[:, 7] if beyond == "clip" else torch.zeros(cfg.n_heads))
+        assert table[0, 7] == -3.0  # the bounded prior at head 0: -min((7 - 0)^2, 3)
+
+
+def test_content_rank_zero_adds_no_parameters_for_the_content_bias():
+    from softprior.model import SoftPriorTransformer
+    from softprior.model_config import ModelConfig
+    # QKVO attention (2 layers x 4 x 64 x 64) and one 32 x 64 embedding: 34,816, the paper's "about 35K";
+    # then B^pos (2 x 4 x 32), three LayerNorms (3 x 128) and two gates: 35,460
+    assert SoftPriorTransformer(ModelConfig(content_rank=0, gate_granularity="shared")).n_params() == 34816 + 256 + 384 + 2
+    assert SoftPriorTransformer(ModelConfig(content_rank=2, gate_granularity="shared")).n_params() == 35458 + 2 * 2 * 4 * 2 * 64

@@ -175,6 +175,9 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
     if space.identify:
         from .identify import sensitivity_block
         splice_into_doc(doc, f"sensitivity-{space.name}", sensitivity_block(space, store, cands, steps=steps))
+        if space.task == "assoc_recall":
+            from .identify import length_block
+            splice_into_doc(doc, f"length-{space.name}", length_block(space, store, cands))
 
 
 def _fades(space, store, cands, steps):
