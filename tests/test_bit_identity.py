@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+from softprior import kernels
 from softprior.config import make_run_config
 from softprior.engine import train_group
 from softprior.train import train
@@ -200,7 +201,8 @@ def _digest(res) -> str:
 
 @pytest.mark.parametrize("task", ["assoc_recall", "markov", "linear_icl"])
 @pytest.mark.parametrize("preset", ["base", "large"])
-def test_runs_are_bit_identical_to_the_recorded_reference(preset, task):
+def test_runs_are_bit_identical_to_the_recorded_reference(preset, task, monkeypatch):
+    monkeypatch.setenv(kernels.ENV, "0")  # recorded on the pure-PyTorch attention (before kernels/ existed)
     ref = _reference()
     if ref is None:
         pytest.skip(f"reference digests were recorded on {SIGNATURE} and {SIGNATURE_AMX}, this is {_signature()}")
@@ -211,6 +213,78 @@ def test_runs_are_bit_identical_to_the_recorded_reference(preset, task):
     want = {k: v for k, v in ref.items() if k.split("/")[1:3] == [preset, task]}
     assert len(want) == 8
     assert got == want
+
+
+# The same procedure with the fused attention operator (kernels/attention.py), which rounds otherwise
+# than the pure-PyTorch attention above: recorded at 7cdf74e (its first commit) on the ``SIGNATURE``
+# machine, one thread, by running ``_digest`` over ``_configs`` for ``train`` and ``train_group`` as
+# the test below does, and pasted here. The operator is built for the CPU it runs on
+# (``-march=native``), so these hold on that CPU family only.
+FUSED = {
+    "group/base/assoc_recall/dual_loss": "22762d990cf513a8",
+    "group/base/assoc_recall/linear0.5->0": "2b51ddf105b98681",
+    "group/base/assoc_recall/prior_dropout": "0b4674c9df286e1f",
+    "group/base/assoc_recall/unforced": "fb1faeec28db2d4c",
+    "group/base/linear_icl/dual_loss": "97de54628a6d9d75",
+    "group/base/linear_icl/linear0.5->0": "a9bf471573ae9f3f",
+    "group/base/linear_icl/prior_dropout": "b2a1e77638bd5ba7",
+    "group/base/linear_icl/unforced": "811719106c6f126d",
+    "group/base/markov/dual_loss": "aabbe33b53b64f4f",
+    "group/base/markov/linear0.5->0": "51da6e7286534257",
+    "group/base/markov/prior_dropout": "df1e70c96d2fc18b",
+    "group/base/markov/unforced": "f5a1c32d39fa60dd",
+    "group/large/assoc_recall/dual_loss": "a9117432f95414c9",
+    "group/large/assoc_recall/linear0.5->0": "0fa43d2c353d8d4e",
+    "group/large/assoc_recall/prior_dropout": "f9766fe657dac489",
+    "group/large/assoc_recall/unforced": "888c591f00e5faa2",
+    "group/large/linear_icl/dual_loss": "2a741b24254ddc2f",
+    "group/large/linear_icl/linear0.5->0": "379add34c53e3714",
+    "group/large/linear_icl/prior_dropout": "71508539c3a39837",
+    "group/large/linear_icl/unforced": "54b6428f15841280",
+    "group/large/markov/dual_loss": "76ba38dd47321571",
+    "group/large/markov/linear0.5->0": "2de1354c728ef870",
+    "group/large/markov/prior_dropout": "a36d16ac56f35438",
+    "group/large/markov/unforced": "896ee4dd9f6f9366",
+    "single/base/assoc_recall/dual_loss": "420fb60e6f321777",
+    "single/base/assoc_recall/linear0.5->0": "6ed99df51801d4f6",
+    "single/base/assoc_recall/prior_dropout": "096047cf95936cb2",
+    "single/base/assoc_recall/unforced": "1a540ac69c5e755d",
+    "single/base/linear_icl/dual_loss": "38b843cfb257c706",
+    "single/base/linear_icl/linear0.5->0": "c6c9aaca8a0e0f2a",
+    "single/base/linear_icl/prior_dropout": "61343338e077f8e1",
+    "single/base/linear_icl/unforced": "e987931703b35fc2",
+    "single/base/markov/dual_loss": "aabbe33b53b64f4f",
+    "single/base/markov/linear0.5->0": "37008fec53dd9f0d",
+    "single/base/markov/prior_dropout": "1f749e4db62ed4e9",
+    "single/base/markov/unforced": "2d5688d5b0adb6b5",
+    "single/large/assoc_recall/dual_loss": "c730aea8579a80b6",
+    "single/large/assoc_recall/linear0.5->0": "1f4f060399bdac4f",
+    "single/large/assoc_recall/prior_dropout": "a80799d25124c106",
+    "single/large/assoc_recall/unforced": "cf4d7fd7c8cd2aac",
+    "single/large/linear_icl/dual_loss": "9140bb47b32c8204",
+    "single/large/linear_icl/linear0.5->0": "a833aef4cc58e10e",
+    "single/large/linear_icl/prior_dropout": "a57edb6539afae37",
+    "single/large/linear_icl/unforced": "15f3598830f9c581",
+    "single/large/markov/dual_loss": "d583026d37f82f5b",
+    "single/large/markov/linear0.5->0": "0aba3e9f84971798",
+    "single/large/markov/prior_dropout": "0b614ab87cf53d7f",
+    "single/large/markov/unforced": "d14c54d301c9f068",
+}
+
+
+@pytest.mark.parametrize("task", ["assoc_recall", "markov", "linear_icl"])
+@pytest.mark.parametrize("preset", ["base", "large"])
+def test_fused_runs_are_bit_identical_to_the_recorded_reference(preset, task, monkeypatch):
+    if _signature() != SIGNATURE:
+        pytest.skip(f"the fused path's digests were recorded on {SIGNATURE}, this is {_signature()}")
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    if not kernels.available():
+        pytest.skip(f"the fused operator did not build: {kernels.build_error()}")
+    assert torch.get_num_threads() == 1
+    cfgs = _configs(preset, task)
+    got = {f"single/{preset}/{task}/{c.path.name}": _digest(train(c)) for c in cfgs}
+    got.update({f"group/{preset}/{task}/{c.path.name}": _digest(r) for c, r in zip(cfgs, train_group(cfgs))})
+    assert got == {k: v for k, v in FUSED.items() if k.split("/")[1:3] == [preset, task]}
 
 
 # ------------------------------------------------------------------------------------ pins for any CPU
