@@ -173,7 +173,7 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
         lines += ["", f"![candidates]({Path(rel).as_posix()})"]
     splice_into_doc(doc, f"robustness-{space.name}", "\n".join(lines))
     if space.identify:
-        from .identify import sensitivity_block
+        from .robustness import sensitivity_block
         splice_into_doc(doc, f"sensitivity-{space.name}", sensitivity_block(space, store, cands, steps=steps))
         if space.task == "assoc_recall":
             from .identify import length_block

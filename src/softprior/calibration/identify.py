@@ -19,6 +19,7 @@ import json
 import math
 
 from ..tiers import MATCH_Z, rows_for
+from .search import REGISTER_SEEDS, completed_file, with_completed
 
 __all__ = ["MIN_SET", "REGISTER_SEEDS", "row_values", "matched_rows", "hard_ok", "identified", "identified_at",
            "identified_set", "identification_block", "complete", "with_completed", "member_entry", "conflicts"]
@@ -132,28 +133,6 @@ def options_json(c) -> str:
                                              for k, v in c.model_options.items()}}, sort_keys=True)
 
 
-REGISTER_SEEDS = 5  # a candidate enters the identified set only once measured on five seeds
-
-
-def _completed_file(space, store):
-    from .search import study_name
-    return store.calibration_dir() / f"{study_name(space)}-identified.json"
-
-
-def with_completed(space, store, cands) -> list:
-    """``cands`` with the five-seed measurements of ``complete`` where they exist (status, values,
-    distance and checks as measured on ``REGISTER_SEEDS`` seeds)."""
-    f = _completed_file(space, store)
-    done = json.loads(f.read_text()) if f.exists() else {}
-    for c in cands:
-        e = done.get(c.cid)
-        if e is not None:
-            c.status = "passes" if e["passes"] else "fails"
-            c.distance, c.means, c.values = e["distance"], e["means"], e["values"]
-            c.formation, c.checks, c.n_seeds = e["formation"], e["checks"], REGISTER_SEEDS
-    return cands
-
-
 def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **execute_kw) -> list:
     """Measure the best candidates (ranked on the seeds the search measured them on: three, or one if it
     pruned them) on ``REGISTER_SEEDS`` seeds until ``k``
@@ -163,7 +142,7 @@ def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **
     from ..executors import execute
     from .search import candidate_configs, measure
     seeds = list(range(REGISTER_SEEDS))
-    f = _completed_file(space, store)
+    f = completed_file(space, store)
     while True:
         cands = with_completed(space, store, cands)
         pool = sorted([c for c in cands if c.status in ("passes", "fails", "pruned")], key=lambda c: _rank(space, c))
@@ -200,33 +179,6 @@ def member_entry(space, c) -> dict:
     return {"cid": c.cid, "task_options": c.task_options,
             "model_options": {k: list(v) if isinstance(v, tuple) else v for k, v in c.model_options.items()},
             "hard_constraints": hard_ok(space, c), "distance": c.distance, "rows": rows}
-
-
-def sensitivity_block(space, store, cands, claim: str = "fade keeps (base)", steps=None) -> str:
-    """For each value of each axis, the share of the identified configurations on which ``claim`` is
-    reproduced (its interval over seeds above the threshold: a fade keeping at least .77 x ceiling), of
-    those on which it was decided. A marginal view over a set of ten-odd configurations, not a factorial
-    design: say so beside it."""
-    from .robustness import claim_counts
-    res = next((r for cl, _, _, r in claim_counts(space, store, cands, steps=steps) if cl.name == claim), [])
-    if not res:
-        return f"No identified configuration has claim {claim!r} measured yet."
-    by: dict[str, dict[str, list]] = {}
-    for c, verdict in res:
-        for axis, label in c.params.items():
-            by.setdefault(axis.split(".", 1)[1], {}).setdefault(label, []).append(verdict)
-    lines = [f"Claim \"{claim}\" on the {len(res)} identified configurations, by axis value: reproduced / "
-             "decided (y), inconclusive (~), not measured (?).", "",
-             "| axis | value: reproduced of decided (inconclusive, not measured) |", "|---|---|"]
-    for axis, vals in sorted(by.items()):
-        cells = []
-        for label, vs in sorted(vals.items()):
-            dec = [v for v in vs if v in (True, False)]
-            cells.append(f"{json.loads(label)}: {sum(v is True for v in dec)}/{len(dec)}"
-                         + (f" (~{sum(v == 'inconclusive' for v in vs)}, ?{sum(v is None for v in vs)})"
-                            if len(dec) < len(vs) else ""))
-        lines.append(f"| {axis} | {'; '.join(cells)} |")
-    return "\n".join(lines)
 
 
 # What the paper leaves open about length (Sec. 4.5 gives only soft_bias at T = 120, .263): B^pos past

@@ -13,6 +13,7 @@ distance against fade600 zero-gate accuracy).
 
 from __future__ import annotations
 
+import json
 import math
 
 from ..claims import claims_for_task, verdicts
@@ -181,3 +182,30 @@ def fade_points(space, store, cands, steps: int | None = None) -> dict[int, floa
             sm = store.summary(cfg.run_id)
             out[c.cid] = sm[f"zero_{sm['metric']}"]
     return out
+
+
+def sensitivity_block(space, store, cands, claim: str = "fade keeps (base)", steps=None) -> str:
+    """For each value of each axis, the share of the identified configurations on which ``claim`` is
+    reproduced (its interval over seeds above the threshold: a fade keeping at least .77 x ceiling), of
+    those on which it was decided. A marginal view over a set of ten-odd configurations, not a factorial
+    design: say so beside it."""
+    res = next((r for cl, _, _, r in claim_counts(space, store, cands, steps=steps) if cl.name == claim), [])
+    if not res:
+        return f"No identified configuration has claim {claim!r} measured yet."
+    by: dict[str, dict[str, list]] = {}
+    for c, verdict in res:
+        for axis, label in c.params.items():
+            by.setdefault(axis.split(".", 1)[1], {}).setdefault(label, []).append(verdict)
+    lines = [f"Claim \"{claim}\" on the {len(res)} identified configurations, by axis value: reproduced / "
+             "decided (y), inconclusive (~), not measured (?).", "",
+             "| axis | value: reproduced of decided (inconclusive, not measured) |", "|---|---|"]
+    for axis, vals in sorted(by.items()):
+        cells = []
+        for label, vs in sorted(vals.items()):
+            dec = [v for v in vs if v in (True, False)]
+            cells.append(f"{json.loads(label)}: {sum(v is True for v in dec)}/{len(dec)}"
+                         + (f" (~{sum(v == 'inconclusive' for v in vs)}, ?{sum(v is None for v in vs)})"
+                            if len(dec) < len(vs) else ""))
+        lines.append(f"| {axis} | {'; '.join(cells)} |")
+    return "\n".join(lines)
+

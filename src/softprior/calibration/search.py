@@ -372,6 +372,28 @@ def load_candidates(space: SearchSpace, store) -> list[Candidate]:
                 c.distance, c.means, c.values = e["distance"], e["means"], e["values"]
                 c.formation, c.checks, c.n_seeds = e["formation"], e["checks"], space.seeds
     if space.identify:  # measured on five seeds before registration (``identify.complete``)
-        from .identify import with_completed
         out = with_completed(space, store, out)
     return out
+
+
+REGISTER_SEEDS = 5  # a candidate enters the identified set only once measured on five seeds
+
+
+def completed_file(space, store):
+    """Where an identification search keeps its five-seed measurements (``identify.complete``)."""
+    return store.calibration_dir() / f"{study_name(space)}-identified.json"
+
+
+def with_completed(space, store, cands) -> list:
+    """``cands`` with the five-seed measurements of ``complete`` where they exist (status, values,
+    distance and checks as measured on ``REGISTER_SEEDS`` seeds)."""
+    f = completed_file(space, store)
+    done = json.loads(f.read_text()) if f.exists() else {}
+    for c in cands:
+        e = done.get(c.cid)
+        if e is not None:
+            c.status = "passes" if e["passes"] else "fails"
+            c.distance, c.means, c.values = e["distance"], e["means"], e["values"]
+            c.formation, c.checks, c.n_seeds = e["formation"], e["checks"], REGISTER_SEEDS
+    return cands
+
