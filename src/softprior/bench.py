@@ -3,7 +3,9 @@
 Reports the fp32 GEMM rate measured now, the model FLOPs per training step counted from the
 shapes, ms per step of a single base run (and its model-FLOP utilisation, achieved / GEMM), ms per
 run-step when K runs train together (``engine.train_group``), and the same for the plain nn.Module
-reference in ``benchmarks/reference.py`` (measured alternately with ours, so machine noise hits both).
+reference in ``benchmarks/reference.py`` (measured alternately with ours, so machine noise hits both), and
+the fused attention operator (``kernels/``) against the same engine without it and the reference, for
+both presets, K = 1 and 8, 1 and 2 threads (``engine_table``; alone: ``--engines-only``).
 A benchmark, not a test: the numbers go to stdout, never into assertions.
 """
 
@@ -17,7 +19,7 @@ import torch
 
 from .flops import gemm_rate, train_step_flops
 
-__all__ = ["run_bench", "train_step_flops", "gemm_rate", "ledger_summary", "format_timings"]
+__all__ = ["run_bench", "run_engines", "engine_table", "train_step_flops", "gemm_rate", "ledger_summary", "format_timings"]
 
 
 def _union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -312,9 +314,13 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     for m, table in (("base", scaling),) + ((("large", large),) if not quick else ()):
         log(f"  saved to {save_group_scaling(table, m)}; --group auto picks K={choose_group_size(10 ** 6, 1, table)} "
             f"for a large sweep of the {m} model")
+    log(f"attention kernel: {_attention_label()}; the fused operator against the engine without it and the "
+        "plain reference:")
+    engines = engine_table(ref_mod, quick=quick, log=log)
     start = startup_seconds()
     log("start-up, fresh interpreter (median of 3): " + ", ".join(f"softprior {k} {v:.2f} s" for k, v in start.items()))
-    return {"startup_s": start, "group_scaling_ms": {str(k): v for k, v in scaling.items()},
+    return {"engines": engines, "attention_backend": engines["attention_backend"], "startup_s": start,
+            "group_scaling_ms": {str(k): v for k, v in scaling.items()},
             "group_scaling_large_ms": {str(k): v for k, v in large.items()},
             "gemm_gflops": round(gemm, 2), "model_gflop_per_step": round(flops / 1e9, 4),
             "single_ms_per_step": round(single, 3), "reference_ms_per_step": round(reference, 3),
@@ -328,6 +334,93 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
                                      "single_ms_samples": [round(x, 3) for x in samples[th][0]],
                                      "reference_ms_samples": [round(x, 3) for x in samples[th][1]]}
                            for th, (o, r) in med.items()}}
+
+
+def _runs_step(cfgs):
+    """One training step of ``train.Runs`` over ``cfgs`` (K = len(cfgs) runs at once), as a callable."""
+    from .train import Runs
+    runs = Runs(cfgs)
+    return lambda: runs.step(0)
+
+
+class _attention_backend:
+    """Within it, the fast path runs the pure-PyTorch attention (``fused=False``: ``SOFTPRIOR_KERNELS=0``,
+    the engine before the fused operator) or the fused operator where it builds (``fused=True``)."""
+
+    def __init__(self, fused: bool):
+        self.fused = fused
+
+    def __enter__(self):
+        import os
+        from .kernels import ENV
+        self.old = os.environ.get(ENV)
+        if self.fused:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = "0"
+
+    def __exit__(self, *exc):
+        import os
+        from .kernels import ENV
+        os.environ.pop(ENV, None)
+        if self.old is not None:
+            os.environ[ENV] = self.old
+
+
+def engine_table(ref_mod, models=("base", "large"), ks=(1, 8), thread_counts=(1, 2), quick: bool = False,
+                 log=print) -> dict:
+    """The fused attention operator against the engine without it (its pure-PyTorch fallback,
+    ``fastpath._Attention``) and the plain reference (``benchmarks/reference.py`` at the same size), per
+    model preset, thread count and K: ms per run-step of one training step (``train.Runs.step`` over K
+    associative-recall runs; the reference trains one run, and K sequential runs cost K times one), the
+    three alternating so that machine noise hits all, medians of ``reps`` samples; and the fused step's
+    fraction of the GEMM rate at that thread count (model FLOP per run-step, ``flops.train_step_flops``,
+    over its time, over ``gemm_rate(threads)``)."""
+    from .config import make_run_config
+    from .kernels import attention_backend
+    out: dict = {"attention_backend": attention_backend(), "gemm_gflops_by_threads": {}}
+    old = torch.get_num_threads()
+    try:
+        for th in thread_counts:
+            out["gemm_gflops_by_threads"][str(th)] = round(gemm_rate(threads=th), 2)
+        for model in models:
+            cfg = make_run_config("assoc_recall", "unforced", 0, model=model)
+            m, flops = cfg.model, train_step_flops(cfg)
+            ref, _ = ref_mod.make_reference_step(d=m.d_model, H=m.n_heads, L=m.n_layers, batch=cfg.batch_size,
+                                                 T=m.n_ctx, vocab=m.vocab)
+            for th in thread_counts:
+                torch.set_num_threads(th)
+                gemm = out["gemm_gflops_by_threads"][str(th)]
+                ref_ms = None
+                for K in ks:
+                    cfgs = [make_run_config("assoc_recall", "fade600" if k % 2 else "unforced", k, model=model)
+                            for k in range(K)]
+                    steps = {name: _runs_step(cfgs) for name in ("fused", "torch")}
+                    n = max(2, (4 if quick else 16) // K) if model == "base" else max(1, (2 if quick else 6) // K)
+                    reps = 3 if quick else 5
+                    samples: dict[str, list[float]] = {"fused": [], "torch": [], "reference": []}
+                    for rep in range(reps + 1):  # the first round warms up
+                        for name in ("fused", "torch"):
+                            with _attention_backend(name == "fused"):
+                                ms = _time(steps[name], n) / K
+                            samples[name].append(ms)
+                        if K == ks[0]:
+                            samples["reference"].append(_time(ref, n))
+                    med = {k: statistics.median(v[1:]) for k, v in samples.items() if v}
+                    ref_ms = med.get("reference", ref_ms)
+                    row = {"fused_ms": round(med["fused"], 3), "torch_ms": round(med["torch"], 3),
+                           "reference_ms": round(ref_ms, 3), "fused_vs_torch": round(med["torch"] / med["fused"], 3),
+                           "fused_vs_reference": round(ref_ms / med["fused"], 3),
+                           "fused_gemm_fraction": round(flops / (med["fused"] / 1e3) / (gemm * 1e9), 4),
+                           "torch_gemm_fraction": round(flops / (med["torch"] / 1e3) / (gemm * 1e9), 4)}
+                    out.setdefault(model, {}).setdefault(str(th), {})[f"K{K}"] = row
+                    log(f"  {model}, {th} thread(s), K = {K}: fused {row['fused_ms']:.2f}, without it "
+                        f"{row['torch_ms']:.2f}, reference {row['reference_ms']:.2f} ms per run-step;  fused "
+                        f"{row['fused_vs_torch']:.2f}x the engine without it, {row['fused_vs_reference']:.2f}x the "
+                        f"reference, {row['fused_gemm_fraction']:.1%} of the GEMM rate ({gemm:.0f} GFLOP/s)")
+    finally:
+        torch.set_num_threads(old)
+    return out
 
 
 def startup_seconds(commands=("--help", "paths", "tasks", "experiments"), reps: int = 3) -> dict[str, float]:
@@ -361,6 +454,20 @@ def _large_line(ref_mod, quick: bool, thread_counts, log) -> tuple[float, float,
     log(f"single large run: {ours:.2f} ms/step at {o_th} thread(s);  plain reference at the large size: "
         f"{ref_ms:.2f} ms/step at {r_th} thread(s);  speed-up {ref_ms / ours:.2f}x")
     return ours, ref_ms, {"ours": o_th, "reference": r_th}
+
+
+def _attention_label() -> str:
+    from .kernels import attention_backend, build_error
+    b = attention_backend()
+    return b if b == "fused-cpp" else f"{b} (the fused operator did not build: {build_error() or 'switched off'})"
+
+
+def run_engines(quick: bool = False, log=print) -> dict:
+    """Only ``engine_table`` (``softprior bench --engines-only``), after ``runtime.prepare_training()``."""
+    from .runtime import prepare_training
+    settings = prepare_training()
+    log(f"attention kernel: {_attention_label()}")
+    return {**engine_table(_load_reference(), quick=quick, log=log), **settings}
 
 
 def _load_reference():

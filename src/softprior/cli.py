@@ -702,10 +702,13 @@ def cmd_baselines(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from .bench import run_bench, run_engines
     log = (lambda *_: None) if args.json else print
-    res = run_bench(quick=args.quick, group_size=args.group, log=log)
-    if args.sweep:
+    if args.engines_only:
+        res = run_engines(quick=args.quick, log=log)
+    else:
+        res = run_bench(quick=args.quick, group_size=args.group, log=log)
+    if args.sweep and not args.engines_only:
         from .bench import sweep_bench
         res.update(sweep_bench(args.sweep, res["reference_ms_per_step"], steps=args.sweep_steps, log=log))
     if args.json:
@@ -997,6 +1000,9 @@ def _add_tool_parsers(sub) -> None:
     b.add_argument("--sweep", type=int, default=0, metavar="N",
                    help="also time a sweep of N base runs through the sweep driver (all cores), vs N reference runs")
     b.add_argument("--sweep-steps", type=int, default=3600, help="steps per run in --sweep")
+    b.add_argument("--engines-only", action="store_true",
+                   help="only the fused attention against the engine without it and the reference (base and large, "
+                        "K = 1 and 8, 1 and 2 threads)")
     b.set_defaults(fn=cmd_bench)
     ex = sub.add_parser("export", help="export a stored run to another library's format")
     ex.add_argument("run_id")
