@@ -316,7 +316,9 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
             f"for a large sweep of the {m} model")
     log(f"attention kernel: {_attention_label()}; the fused operator against the engine without it and the "
         "plain reference:")
-    engines = engine_table(ref_mod, quick=quick, log=log)
+    # --quick (a smoke run): the base model at K = 1 and 2, one thread
+    engines = engine_table(ref_mod, quick=quick, log=log, **(dict(models=("base",), ks=(1, 2), thread_counts=(1,))
+                                                              if quick else {}))
     start = startup_seconds()
     log("start-up, fresh interpreter (median of 3): " + ", ".join(f"softprior {k} {v:.2f} s" for k, v in start.items()))
     return {"engines": engines, "attention_backend": engines["attention_backend"], "startup_s": start,
@@ -397,7 +399,7 @@ def engine_table(ref_mod, models=("base", "large"), ks=(1, 8), thread_counts=(1,
                             for k in range(K)]
                     steps = {name: _runs_step(cfgs) for name in ("fused", "torch")}
                     n = max(2, (4 if quick else 16) // K) if model == "base" else max(1, (2 if quick else 6) // K)
-                    reps = 3 if quick else 5
+                    reps = 2 if quick else 5
                     samples: dict[str, list[float]] = {"fused": [], "torch": [], "reference": []}
                     for rep in range(reps + 1):  # the first round warms up
                         for name in ("fused", "torch"):
