@@ -116,6 +116,12 @@ def _damage(store: RunStore, cfg, kind: str) -> tuple[str, str]:
     if kind == "truncated snapshot":
         _truncate(d / SNAP)
         return rel + SNAP, "truncated"
+    if kind in ("same-size weights", "same-size snapshot"):  # other bytes, the same length: only the SHA sees it
+        f = d / ("final.safetensors" if kind == "same-size weights" else SNAP)
+        size = f.stat().st_size
+        _flip_a_byte(f)  # a byte of tensor data: the file still loads
+        assert f.stat().st_size == size
+        return rel + str(f.relative_to(d)), "SHA-256 mismatch"
     if kind == "changed metrics":
         _flip_a_byte(d / "metrics.jsonl")
         return rel + "metrics.jsonl", "SHA-256 mismatch"
@@ -130,7 +136,8 @@ def _damage(store: RunStore, cfg, kind: str) -> tuple[str, str]:
     raise ValueError(kind)
 
 
-KINDS = ["truncated weights", "truncated snapshot", "changed metrics", "half-written directory", "damaged index row"]
+KINDS = ["truncated weights", "truncated snapshot", "same-size weights", "same-size snapshot", "changed metrics",
+         "half-written directory", "damaged index row"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -51,3 +51,30 @@ def test_non_fused_where_the_fused_kernel_is_missing(monkeypatch):
     monkeypatch.setattr(torch.optim, "AdamW", real)
     _, w_fused, b_fused = _one_step(cfg)
     assert w == pytest.approx(w_fused, rel=1e-6) and b == pytest.approx(b_fused, rel=1e-6)
+
+
+def test_run_stacked_parameters_step_as_each_run_alone():
+    """``make_optimizer(runs=K)`` over [K, ...] tensors updates every run's slice bit-identically to the
+    same run's optimiser alone, for a tensor of a few elements (the gate logits: a stacked tensor puts a
+    run's elements in the kernel's vector or scalar part by their place) and a larger one."""
+    cfg = tiny_config()
+    g = torch.Generator().manual_seed(0)
+    K, steps = 8, 100
+    shapes = {"gate_logits": (2, 2, 1), "blocks.0.ln.bias": (3,), "blocks.0.attn.in_proj.weight": (7, 9)}
+    init = {n: torch.randn(K, *s, generator=g) for n, s in shapes.items()}
+    grads = [{n: torch.randn(K, *s, generator=g) * 1e-3 for n, s in shapes.items()} for _ in range(steps)]
+
+    def run(ks):
+        params = {n: init[n][ks].clone().requires_grad_(True) for n in shapes}
+        opt = make_optimizer(params.items(), cfg, runs=len(ks))
+        for gr in grads:
+            for n, p in params.items():
+                p.grad = gr[n][ks].clone()
+            opt.step()
+        return {n: p.detach() for n, p in params.items()}
+
+    together = run(list(range(K)))
+    for k in range(K):
+        alone = run([k])
+        for n in shapes:
+            assert torch.equal(together[n][k], alone[n][0]), (k, n)

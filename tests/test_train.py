@@ -226,8 +226,8 @@ def grad_norms(monkeypatch):
     norms = []
     orig = train_mod.make_optimizer
 
-    def make(named_params, cfg):
-        opt = orig(named_params, cfg)
+    def make(named_params, cfg, runs=1):
+        opt = orig(named_params, cfg, runs)
         step = opt.step
 
         def recording_step(*a, **k):

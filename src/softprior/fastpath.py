@@ -37,7 +37,7 @@ What it does differently (each an exact algebraic identity, so only rounding dif
    once per step as [K, H, T, T] with the causal mask added in, no [B, H, T, T] bias tensor.
 
 6. **Positional schemes** (``_scheme_kind``), each computed by the scheme's own code on the run's own
-   parameters (``functional_call`` of a template scheme, vmapped over the runs):
+   parameters (``functional_call`` of a template scheme, one run at a time):
    - those that only add a bias (ALiBi, T5, Kerple log and power, FIRE): b_h(i, j) per layer, added
      to the prior's bias before the mask, as ``AdditiveBias.adjust_logits`` adds it in the readable
      model; its gradient reaches the scheme's parameters through autograd. NoPE adds nothing.
@@ -50,7 +50,7 @@ What it does differently (each an exact algebraic identity, so only rounding dif
      CoPE and DAPE ("logits": ``adjust_logits`` of the logits q_ext . k_ext, content factors included,
      and of the unscaled q, before the prior's bias and the mask, as the readable ``Attention.forward``),
      GPSA ("pattern": ``mix_pattern`` of the softmax). The scheme runs on the logits laid out
-     [K, B, H, Tq, T] (``_scheme_pattern``), vmapped over the runs (one run: no vmap). The fused
+     [K, B, H, Tq, T] (``_scheme_pattern``), one run at a time (``_scheme_eval``). The fused
      ``_Attention`` node only adds a batch-independent bias, so every plain layer of these schemes forms
      its logits and pattern in autograd instead (``_contextual_attention``); layer 0 still projects on
      the vocabulary (point 3: the input is still the token alone). The re-associated last layer (point
@@ -76,7 +76,7 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, vmap
+from torch.func import functional_call
 
 from . import kernels
 from .model import ModelConfig
@@ -149,25 +149,23 @@ def _scheme_module(name: str, method: str, H: int, dh: int, d: int, n_ctx: int, 
 def _scheme_eval(params: dict, cfg: ModelConfig, layer: int, K: int, method: str, *args,
                  per_run: tuple[bool, ...] = ()) -> torch.Tensor:
     """``scheme.method(*args)`` of layer ``layer``'s scheme for each of K runs, from the run-stacked
-    scheme parameters (``blocks.{layer}.attn.scheme.*``): [K, ...] (vmapped over the runs).
+    scheme parameters (``blocks.{layer}.attn.scheme.*``): [K, ...], one run at a time.
     ``per_run[i]``: args[i] is the runs' own [K, ...] tensor (a contextual scheme's logits, q or
-    pattern), mapped with the parameters; the other args (positions, None) are the same for every run."""
+    pattern), sliced with the parameters; the other args (positions, None) are the same for every run.
+    Not vmapped: a vmapped scheme runs batched kernels ([K, H] elementwise ops vectorised, matrix-vector
+    products as batches) that round differently from one run's, so a run grouped with others would not
+    compute what it computes alone (docs/DESIGN.md, "Bit-identity")."""
     mod = _scheme_module(cfg.positional, method, cfg.n_heads, cfg.d_head, cfg.d_model, cfg.n_ctx, layer, cfg.n_layers)
     pre = f"blocks.{layer}.attn."
     sub = {n[len(pre):]: p for n, p in params.items() if n.startswith(pre + "scheme.")}
     batched = tuple(i < len(per_run) and per_run[i] and a is not None for i, a in enumerate(args))
-    if not any(batched):
-        if not sub:  # no parameters (ALiBi): the same value for every run
-            out = mod(*args)
-            return out[None].expand(K, *out.shape)
-        if K == 1:  # strict: every parameter of the scheme comes from the run (never the template's own)
-            return functional_call(mod, {n: p[0] for n, p in sub.items()}, args, strict=True)[None]
-        return vmap(lambda p: functional_call(mod, p, args, strict=True))(sub)
-    if K == 1:  # one run: its own slice of everything, no vmap (fewer ops)
-        one = tuple(a[0] if b else a for a, b in zip(args, batched))
-        return functional_call(mod, {n: p[0] for n, p in sub.items()}, one, strict=True)[None]
-    return vmap(lambda p, *a: functional_call(mod, p, a, strict=True),
-                in_dims=(0, *(0 if b else None for b in batched)))(sub, *args)
+    if not any(batched) and not sub:  # no parameters (ALiBi): the same value for every run
+        out = mod(*args)
+        return out[None].expand(K, *out.shape)
+    # strict: every parameter of the scheme comes from the run (never the template's own)
+    return torch.stack([functional_call(mod, {n: p[k] for n, p in sub.items()},
+                                        tuple(a[k] if b else a for a, b in zip(args, batched)), strict=True)
+                        for k in range(K)])
 
 
 def _scheme_pattern(params: dict, cfg: ModelConfig, layer: int, s: torch.Tensor, q: torch.Tensor | None,
@@ -372,9 +370,14 @@ def _bmv(A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     one matrix-vector product takes another BLAS kernel (a gemv) than a batch of K (measured: the last
     bits differ), so a run grouped with others would round differently from the same run alone.
     Per run, every run computes exactly what it computes alone (docs/DESIGN.md, "Bit-identity")."""
-    if A.shape[0] == 1:
-        return torch.bmm(A, x)
-    return torch.cat([torch.bmm(a, b) for a, b in zip(A.split(1), x.split(1))])
+    return _runwise(torch.bmm, A, x)
+
+
+def _runwise(op, *args: torch.Tensor) -> torch.Tensor:
+    """``op(*args)`` on run-stacked [K, ...] operands, one run at a time for K > 1 (``_bmv``'s reason)."""
+    if args[0].shape[0] == 1:
+        return op(*args)
+    return torch.cat([op(*one) for one in zip(*(a.split(1) for a in args))])
 
 
 def _proj(n: torch.Tensor, W: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor) -> torch.Tensor:
@@ -423,8 +426,10 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
         idx = inputs + (torch.arange(K, device=inputs.device) * V).view(K, 1, 1)
         x = _gather(E.reshape(K * V, d), idx)  # [K, B, T, d]
     else:
-        x = torch.baddbmm(params["read_in.bias"].unsqueeze(1), inputs.reshape(K, B * T, -1),
-                          params["read_in.weight"].transpose(1, 2)).view(K, B, T, d)
+        # one run at a time: with few input features the weight's gradient is a long, thin product that
+        # a multi-threaded BLAS splits along its sum for one run and not inside a batch (``_bmv``)
+        x = _runwise(torch.baddbmm, params["read_in.bias"].unsqueeze(1), inputs.reshape(K, B * T, -1),
+                     params["read_in.weight"].transpose(1, 2)).view(K, B, T, d)
     if pe is not None:  # vanilla: layer 0 then sees token + position, so it runs the plain way
         x = x + pe[:, None]
     x = x.reshape(K, B * T, d)
@@ -517,6 +522,7 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     if tokens:
         out = torch.bmm(n, E.transpose(1, 2))  # tied unembedding
     else:
-        out = torch.baddbmm(params["read_out.bias"][:, None, :], n, params["read_out.weight"].transpose(1, 2))
+        # one run at a time: with d_out = 1 each run's product is a matrix-vector one (``_bmv``)
+        out = _runwise(torch.baddbmm, params["read_out.bias"][:, None, :], n, params["read_out.weight"].transpose(1, 2))
     return out.view(K, B, P, -1)
 

@@ -17,12 +17,14 @@ LayerNorm, the prior tables, the gate logits or positional-scheme parameters), n
 prior tables would otherwise be pulled to zero.
 
 Determinism: initialisation uses a forked global RNG seeded with the run seed; data, prior-dropout
-and validation use their own ``torch.Generator`` objects. Same config + seed + group size + machine
--> same bits (the batched kernels of a group of K round differently from K = 1 in the last bits).
+and validation use their own ``torch.Generator`` objects. Same config + seed + machine + thread count
+-> same bits, trained alone or in a group of any size: every operation whose rounding would depend on
+the group's shape runs on each run's own slice (docs/DESIGN.md, "Bit-identity").
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -81,17 +83,44 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(named_params, cfg: RunConfig) -> torch.optim.AdamW:
+@torch.no_grad()
+def _step_per_run(opt: torch.optim.AdamW, K: int, closure=None):
+    """``opt.step()`` for run-stacked parameters [K, ...] (``make_optimizer(runs=K)``), each run's slice
+    updated as a tensor of its own. The update is elementwise, but its kernels (fused or not) treat a
+    tensor's last, partial vector of elements with scalar code that rounds differently from their
+    vector code, so a run's small tensors (the gate logits) inside a stacked tensor rounded differently
+    from the same run alone (measured: exp_avg_sq differed after 8 steps in a group of 2). Each run
+    now sees the kernel calls it sees alone; the state (and the checkpoint format) is the stacked
+    tensors', as before. The update itself is ``torch.optim.adamw.adamw``, AdamW's own."""
+    from torch.optim.adamw import adamw
+    for group in opt.param_groups:
+        ps, gs, ms, vs, mx, steps = [], [], [], [], [], []
+        opt._init_group(group, ps, gs, ms, vs, mx, steps)
+        per_run = [s.clone() for s in steps for _ in range(K)]  # adamw counts each run's step once
+        beta1, beta2 = group["betas"]
+        adamw(*([t[k] for t in ts for k in range(K)] for ts in (ps, gs, ms, vs, mx)), per_run,
+              foreach=False, fused=group["fused"], amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2,
+              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+        for s in steps:
+            s += 1
+    return None
+
+
+def make_optimizer(named_params, cfg: RunConfig, runs: int = 1) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter, ICLR 2019, Algorithm 2) over (name, parameter) pairs
     (``param_groups``), at the config's learning rate: ``torch.optim.AdamW(fused=True)``, or its
     non-fused implementation where the fused kernel has no implementation for the parameters' device
     (torch < 2.4 on the CPU, inside the declared ``torch>=2.2``: its constructor raises). The two may
-    round differently in the last bits; runs are bit-identical between machines on the same branch."""
+    round differently in the last bits; runs are bit-identical between machines on the same branch.
+    ``runs``: K for run-stacked parameters (``_step_per_run``: each run's slice updated as it is alone)."""
     named = list(named_params)
     try:
-        return torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=cfg.lr, fused=True)
+        opt = torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=cfg.lr, fused=True)
     except RuntimeError:  # fresh groups: the failed constructor has written its defaults into the first
-        return torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=cfg.lr, fused=False)
+        opt = torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=cfg.lr, fused=False)
+    if runs > 1:
+        opt.step = functools.partial(_step_per_run, opt, runs)
+    return opt
 
 
 @torch.no_grad()
@@ -182,7 +211,7 @@ class Runs:
         self.params = {k: v.detach().to(dev).requires_grad_(True) for k, v in stacked.items()}
         for p in self.params.values():  # a zero gradient (not None) for a parameter a step leaves out (a
             p.grad = torch.zeros_like(p)  # forced or dropped gate's logit): AdamW counts every step for every tensor
-        self.opt = make_optimizer(self.params.items(), c0)
+        self.opt = make_optimizer(self.params.items(), c0, self.K)
         self.clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs], device=dev)
         self.data_gens = [seeded_generator(c.seed, 0) for c in cfgs]
         self.drop_gens = [seeded_generator(c.seed, 1) for c in cfgs]
@@ -199,14 +228,15 @@ class Runs:
                 return fastpath.fast_forward(p, c0.model, inputs, gp, gc, loss_pos)
             self.forward = self.forward_val = batched
             self.shared_inputs = self.K == 1
-        else:  # a scheme the fast path does not know: the readable model, vmapped over the runs
+        else:  # a scheme the fast path does not know: the readable model, vmapped, one run at a time
             def fwd(p, inputs, gp, gc):
                 return functional_call(self.base, p, (inputs, gp, gc), {"positions": loss_pos})
-            self.forward = vmap(fwd, in_dims=(0, 0, 0, 0))
-            self.forward_val = vmap(fwd, in_dims=(0, None, 0, 0))
+            self.forward = _one_run_at_a_time(vmap(fwd, in_dims=(0, 0, 0, 0)), shared=False)
+            self.forward_val = _one_run_at_a_time(vmap(fwd, in_dims=(0, None, 0, 0)), shared=True)
             self.shared_inputs = False
-        # the per-run loss [K]: vmapped over the runs; for one run the plain scalar loss (fewer ops)
-        self.loss = (lambda out, t: task.loss(out[0], t[0])) if self.K == 1 else vmap(task.loss)
+        # the per-run loss [K]: each run's own scalar loss, as it is alone (a vmapped loss reduces [K, B]
+        # row-wise, which rounds differently from one run's [B]: docs/DESIGN.md, "Bit-identity")
+        self.loss = lambda out, t: torch.stack([task.loss(o, y) for o, y in zip(out, t)])
         self.applied: list[tuple] = []
         self.gates_applied = (self.zeros, self.zeros)
 
@@ -216,7 +246,7 @@ class Runs:
         if not self.cfgs[0].model.prior:
             return self.zeros, self.zeros
         L, H = self._LH
-        g = torch.sigmoid(self.params["gate_logits"])  # [K, 2, a, b]
+        g = _sigmoid_per_run(self.params["gate_logits"])  # [K, 2, a, b]
         return g[:, 0].expand(self.K, L, H), g[:, 1].expand(self.K, L, H)
 
     def _gate_tensor(self, applied, i, own):
@@ -263,21 +293,25 @@ class Runs:
         out = {}
         for name, (gp, gc) in (("normal", (mp, mc)), ("zero", (self.zeros, self.zeros))):
             o = self.forward_val(self.params, self.val_inputs, gp, gc)
-            out[name] = (vmap(task.score, in_dims=(0, None))(o, vt).tolist(),
-                         vmap(task.loss, in_dims=(0, None))(o, vt).tolist())
+            # each run's own [1, ...] slice, as it is evaluated alone (a reduction over [K, ...] rounds otherwise)
+            out[name] = ([float(vmap(task.score, in_dims=(0, None))(ok, vt)) for ok in o.split(1)],
+                         [float(vmap(task.loss, in_dims=(0, None))(ok, vt)) for ok in o.split(1)])
         return [tuple({task.metric: out[n][0][k], "loss": out[n][1][k]} for n in ("normal", "zero"))
                 for k in range(self.K)]
 
     def logged_gates(self, k: int) -> tuple:
         """Run k's applied gates of the last step as logged: forced ones as the float32 value the run
-        trained with, None for a learned one (``metrics_row``)."""
-        return tuple(None if self.applied[k][i] is None else float(g[k].detach().mean())
+        trained with, None for a learned one (``metrics_row``). A forced gate is one value on every
+        layer and head: its mean is taken as for the run alone, over that value broadcast to [L, H]
+        (a mean of equal float32 values can round; a group's gate tensor holds them as separate values)."""
+        L, H = self._LH
+        return tuple(None if self.applied[k][i] is None else float(g[k, :1, :1].detach().expand(L, H).mean())
                      for i, g in enumerate(self.gates_applied))
 
     @torch.no_grad()
     def own_gate_means(self) -> list[tuple[float, float]]:
         """Each run's own (position, content) gates, averaged over layers and heads."""
-        g = torch.sigmoid(self.params["gate_logits"]).reshape(self.K, 2, -1).mean(-1).tolist()
+        g = [x.reshape(2, -1).mean(-1).tolist() for x in _sigmoid_per_run(self.params["gate_logits"])]
         return [(a, b) for a, b in g]
 
     def weights(self, k: int) -> dict[str, torch.Tensor]:
@@ -285,13 +319,40 @@ class Runs:
         return {n: p[k].detach().to("cpu", copy=True) for n, p in self.params.items()}
 
 
+def _sigmoid_per_run(logits: torch.Tensor) -> torch.Tensor:
+    """sigmoid of run-stacked gate logits [K, ...], each run's [1, ...] slice on its own: the kernel
+    rounds a tensor's last partial vector (scalar code) differently from its vector code, and the few
+    gate logits of a run fall in one or the other by their place in the stack (measured at K = 8)."""
+    if logits.shape[0] == 1:
+        return torch.sigmoid(logits)
+    return torch.cat([torch.sigmoid(x) for x in logits.split(1)])
+
+
+def _one_run_at_a_time(f: Callable, shared: bool) -> Callable:
+    """``f(params, inputs, g_pos, g_content)`` (vmapped over the runs) called on each run's [1, ...]
+    slice and concatenated, so each run computes what it computes alone (a vmapped model runs batched
+    kernels whose rounding depends on K). ``shared``: the inputs are every run's (not run-stacked)."""
+    def per_run(params, inputs, gp, gc):
+        K = gp.shape[0]
+        if K == 1:
+            return f(params, inputs, gp, gc)
+        return torch.cat([f({n: t[k:k + 1] for n, t in params.items()}, inputs if shared else inputs[k:k + 1],
+                            gp[k:k + 1], gc[k:k + 1]) for k in range(K)])
+    return per_run
+
+
 def clip_per_run_(grads: list[torch.Tensor], max_norm: torch.Tensor) -> None:
     """Gradient clipping per run (Pascanu et al. 2013, as ``torch.nn.utils.clip_grad_norm_``): each
     run's gradients, run-stacked [K, ...], are scaled by min(1, max_norm_k / (||g_k|| + 1e-6)), where
     ||g_k|| is the global 2-norm of run k's slice of every gradient; ``max_norm`` [K] (inf: no
-    clipping). In place."""
+    clipping). In place.
+
+    Each run's norm is reduced from its own slices, as for the run alone: a row-wise reduction of the
+    stacked [K, n] gradient is split across threads and vectorised differently from one run's full
+    reduction of its n elements (docs/DESIGN.md, "Bit-identity")."""
     K = max_norm.shape[0]
-    norms = torch.stack([g.reshape(K, -1).pow(2).sum(1) for g in grads]).sum(0).sqrt()  # [K]
+    norms = torch.cat([torch.stack([g[k].reshape(1, -1).pow(2).sum(1) for g in grads]).sum(0).sqrt()
+                       for k in range(K)])  # [K]
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     scale = torch.where(torch.isinf(max_norm), 1.0, scale)  # clipping off: no scale, even for an overflowing norm
     torch._foreach_mul_(grads, [scale.view(K, *([1] * (g.dim() - 1))) for g in grads])
