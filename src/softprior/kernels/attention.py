@@ -129,6 +129,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dz, _dp):
     """The gradients of q, k, v and bias (P is an auxiliary output: its own gradient is not taken)."""
+    if dz is None:  # z's gradient undefined (grads are not materialised): nothing flows back
+        return None, None, None, None
     q, k, v, p, bias = ctx.saved_tensors
     dq, dk, dv, db = torch.ops.softprior.attention_backward(dz, q, k, v, p, bias)
     need = ctx.needs_input_grad
