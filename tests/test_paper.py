@@ -384,6 +384,7 @@ def test_identification_table_sets_each_static_row_beside_its_cell():
     assert "2.5 (0.02) | **no**" in rows["forced_const0.5 base zero"]  # (.1641 - .114) / .02
     assert "10.6 (0.05) | **no**" in rows["soft_bias at T = 120"]  # (.795 - .263) / .05
     assert "35.460 | 0.9 (0.525) | yes" in rows["parameters base (K)"]
-    assert "soft_bias ranks 2 of 2 (first: alibi)" in rows["soft_bias highest of 13 (assoc_recall)"]
+    assert "soft_bias ranks 2 of 2 (first: alibi) | - | **no**" in rows["soft_bias highest of 13 (assoc_recall)"]
     assert "10.0%" in rows["linear_icl: soft_pos_only, t5, soft_bias, dape within 1.5%"]  # (.110 - .100) / .100
+    assert rows["linear_icl: soft_pos_only, t5, soft_bias, dape within 1.5%"].endswith("| **no** |")
     assert "not measured" in rows["unforced large normal"]
