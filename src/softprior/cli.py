@@ -703,7 +703,7 @@ def cmd_baselines(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import run_bench, run_engines
-    log = (lambda *_: None) if args.json else print
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print  # --json: stdout holds the JSON alone
     if args.engines_only:
         res = run_engines(quick=args.quick, log=log)
     else:
