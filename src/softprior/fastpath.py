@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -393,6 +394,24 @@ def _take(x: torch.Tensor, pos: tuple[int, ...]) -> torch.Tensor:
     return x[:, :, list(pos)]
 
 
+class _Ctx(NamedTuple):
+    """What every layer of one ``fast_forward`` call shares: the sizes, the token or vector inputs
+    [K, B, T(, d_in)], the loss positions, the offsets and masks for all queries (``_all``) and for the
+    loss positions (``_q``), the static scheme biases, RoPE's tables and the key positions."""
+    K: int
+    B: int
+    T: int
+    inputs: torch.Tensor
+    pos: tuple[int, ...]
+    off_all: torch.Tensor
+    mask_all: torch.Tensor
+    off_q: torch.Tensor
+    mask_q: torch.Tensor
+    static: list
+    rot: tuple | None
+    kpos: torch.Tensor
+
+
 def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torch.Tensor,
                  g_pos: torch.Tensor, g_content: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Outputs at ``positions`` for K runs at once.
@@ -403,126 +422,160 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     Returns [K, B, P, vocab] logits (or [K, B, P, d_out]), equal to
     ``model(inputs, g_pos, g_content, positions=positions)`` for each run.
     """
-    contextual = _scheme_kind(cfg.positional) in _CONTEXTUAL
-    L, H, d, dh, r = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
-    e = dh + r
-    K = g_pos.shape[0]
+    K, L = g_pos.shape[0], cfg.n_layers
     tokens = cfg.d_in is None
     if inputs.dim() == (2 if tokens else 3):
         inputs = inputs.expand(K, *inputs.shape)
     B, T = inputs.shape[1], inputs.shape[2]
     pos = tuple(int(p) for p in positions.tolist())
-    P = len(pos)
-    off_all, mask_all = _geometry(T, cfg.n_ctx, None, inputs.device)
-    off_q, mask_q = _geometry(T, cfg.n_ctx, pos, inputs.device)
+    dev = inputs.device
     dtype = params["blocks.0.attn.in_proj.weight"].dtype
-    static = _biases(params, cfg, K, T, pos, dtype, inputs.device)
-    pe, rot = _absolute(params, cfg, K, T, dtype), _rope_tables(cfg, T, dtype, inputs.device)  # point 6
-    kpos = torch.arange(T, device=inputs.device)
+    pe = _absolute(params, cfg, K, T, dtype)  # point 6
+    c = _Ctx(K, B, T, inputs, pos, *_geometry(T, cfg.n_ctx, None, dev), *_geometry(T, cfg.n_ctx, pos, dev),
+             _biases(params, cfg, K, T, pos, dtype, dev), _rope_tables(cfg, T, dtype, dev), torch.arange(T, device=dev))
+    x = _embed(params, cfg, c, pe)
+    # the last layer computes queries at the loss positions only, re-associated onto n (point 4): a
+    # saving while few positions carry loss; with loss on most positions (Markov ``loss_on="determined"``,
+    # P = T) the re-associated products cost ~3x a plain layer, so that layer runs the plain way
+    few = _few(cfg, len(pos), T)
+    for l in range(L):
+        if l < L - 1 or not few:
+            vocab = l == 0 and tokens and pe is None  # layer 0 sees token embeddings only (point 3)
+            qe, ke, v = (_vocab_heads if vocab else _plain_heads)(params, cfg, l, c, x, g_content[:, l])
+            x = _full_attention(params, cfg, l, c, x, qe, ke, v, g_pos[:, l])
+        else:
+            x = _reassociated_layer(params, cfg, l, c, x, g_pos[:, l], g_content[:, l])
+    if not few:
+        x = _take(x.view(K, B, T, -1), pos).reshape(K, B * len(pos), -1)
+    return _readout(params, cfg, c, x)
 
-    if tokens:
+
+def _embed(params: dict, cfg: ModelConfig, c: _Ctx, pe: torch.Tensor | None) -> torch.Tensor:
+    """The residual stream's input [K, B*T, d]: token embeddings (gathered) or the vectors' read-in,
+    plus vanilla's position table where the scheme has one (point 6)."""
+    K, B, T, d = c.K, c.B, c.T, cfg.d_model
+    if cfg.d_in is None:
         E = params["embed.weight"]  # [K, V, d]
         V = E.shape[1]
-        idx = inputs + (torch.arange(K, device=inputs.device) * V).view(K, 1, 1)
+        idx = c.inputs + (torch.arange(K, device=c.inputs.device) * V).view(K, 1, 1)
         x = _gather(E.reshape(K * V, d), idx)  # [K, B, T, d]
     else:
         # one run at a time: with few input features the weight's gradient is a long, thin product that
         # a multi-threaded BLAS splits along its sum for one run and not inside a batch (``_bmv``)
-        x = _runwise(torch.baddbmm, params["read_in.bias"].unsqueeze(1), inputs.reshape(K, B * T, -1),
+        x = _runwise(torch.baddbmm, params["read_in.bias"].unsqueeze(1), c.inputs.reshape(K, B * T, -1),
                      params["read_in.weight"].transpose(1, 2)).view(K, B, T, d)
     if pe is not None:  # vanilla: layer 0 then sees token + position, so it runs the plain way
         x = x + pe[:, None]
-    x = x.reshape(K, B * T, d)
+    return x.reshape(K, B * T, d)
 
-    # the last layer computes queries at the loss positions only, re-associated onto n (point 4): a
-    # saving while few positions carry loss; with loss on most positions (Markov ``loss_on="determined"``,
-    # P = T) the re-associated products cost ~3x a plain layer, so that layer runs the plain way
-    few = _few(cfg, P, T)
-    for l in range(L):
-        pre = f"blocks.{l}."
-        W = params[pre + "attn.in_proj.weight"]  # [K, 3d + 2Hr, d]
-        ln_w, ln_b = params[pre + "ln.weight"], params[pre + "ln.bias"]  # [K, d]
-        W_out = params[pre + "attn.out_proj.weight"]  # [K, d, d]
-        table = params[pre + "attn.pos_bias"]  # [K, H, n_ctx]
-        gp, gc = g_pos[:, l], g_content[:, l]  # [K, H]
-        if l < L - 1 or not few:
-            if l == 0 and tokens and pe is None:
-                # layer 0 sees token embeddings only (point 3): LN(E) W^T for the V vocabulary rows
-                # with all in_proj rows in per-head order, scaled, laid out [K, H, V, .], gathered by token
-                W_p, scale = _per_head_rows(W, gc, d, H, dh, r)
-                w = 2 * e + dh
-                rows = torch.addcmul(ln_b[:, None, :], _layer_norm(E), ln_w[:, None, :])  # [K, V, d]
-                tab = torch.bmm(rows, W_p.transpose(1, 2)) * scale[:, None, :]  # [K, V, H*w]
-                tab = tab.view(K, V, H, w).transpose(1, 2)  # [K, H, V, w]
-                hidx = inputs.unsqueeze(1) + (torch.arange(K * H, device=inputs.device) * V).view(K, H, 1, 1)  # [K, H, B, T]
-                qe, ke, v = (_gather(tab[..., a:b].reshape(K * H * V, b - a), hidx).view(K * H * B, T, b - a)
-                             for a, b in ((0, e), (e, 2 * e), (2 * e, w)))
-            else:
-                W_p, scale = _per_head_rows(W, gc, d, H, dh, r)
-                Wh = (W_p * scale[:, :, None]).view(K, H, -1, d)
-                W_qu, W_kw, W_v = (Wh[:, :, a:b].reshape(K, -1, d) for a, b in ((0, e), (e, 2 * e), (2 * e, None)))
-                n = _layer_norm(x)  # [K, B*T, d] (the affine part is folded into the weights)
 
-                def heads(Wr, width):  # three projections of one n: slicing a fused output costs more
-                    y = _proj(n, Wr, ln_w, ln_b).view(K, B, T, H, width)
-                    return y.permute(0, 3, 1, 2, 4).reshape(K * H * B, T, width)
-                qe, ke, v = heads(W_qu, e), heads(W_kw, e), heads(W_v, dh)
-            bias = _with_static(_pos_bias(table, gp, off_all, mask_all), static[l])
-            if rot is not None:
-                qe, ke = rotate_pairs(qe, *rot, dh), rotate_pairs(ke, *rot, dh)
-            if contextual:  # CoPE, DAPE, GPSA: the scheme's own code between logits and pattern (point 6)
-                z = _contextual_attention(params, cfg, l, qe, ke, v, bias, kpos)
-            else:
-                z = _attention(qe, ke, v, bias)  # [K*H*B, T, dh]
-            z = z.view(K, H, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
-            x = torch.baddbmm(x, z, W_out.transpose(1, 2))  # residual + output projection (point 5)
-        else:
-            # queries at the loss positions only; keys and values re-associated onto n (point 4)
-            # in_proj rows in per-head order [Q_h, U_h, K_h, W_h, V_h], scaled (1/sqrt(dh) on Q, the
-            # content gate on U); the LayerNorm affine folded in (point 1)
-            W_p, scale = _per_head_rows(W, gc, d, H, dh, r)
-            w = 2 * e + dh
-            Wp = W_p * scale[:, :, None]
-            Wn = (Wp * ln_w[:, None, :]).view(K, H, w, d)
-            bn = _bmv(Wp, ln_b[:, :, None]).view(K, H, w)  # each row applied to the LN bias
-            n4 = _layer_norm(x).view(K, B, T, d)
-            qa = torch.baddbmm(bn.view(K, 1, H * w), _take(n4, pos).reshape(K, B * P, d),
-                               Wn.view(K, H * w, d).transpose(1, 2))  # [K, B*P, H*w]: all rows, P positions
-            q = qa.view(K, B * P, H, w)[..., :e].transpose(1, 2).reshape(K * H, B * P, e)
-            qt = torch.bmm(q, Wn[:, :, e:2 * e].reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
-            qt = qt.view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
-            s = torch.bmm(qt, n4.reshape(K * B, T, d).transpose(1, 2)).view(K, B, H, P, T)
-            bias = _with_static(_pos_bias(table, gp, off_q, mask_q), static[l])
-            if contextual:  # point 6: the scheme's own code on these P queries' logits and pattern
-                qs = None
-                if _scheme_kind(cfg.positional) == "logits":
-                    # CoPE and DAPE read the logits themselves, not only their softmax: add back point 4's
-                    # const_i = q_ext,i . bn_K (the key and content-factor rows applied to the LayerNorm
-                    # bias; it cancels only in a softmax), and pass the unscaled q; the keys are never
-                    # formed here (neither scheme reads k)
-                    const = torch.bmm(q, bn[:, :, e:2 * e].reshape(K * H, e, 1))  # [K*H, B*P, 1]
-                    s = s + const.view(K, H, B, P, 1).transpose(1, 2)
-                    qs = q.view(K, H, B, P, e)[..., :dh].transpose(1, 2) * math.sqrt(dh)
-                # a mixed pattern's rows still sum to 1 (GPSA renormalises), so the values re-associate as before
-                pm = _scheme_pattern(params, cfg, l, s, qs, None, bias, torch.tensor(pos, device=inputs.device), kpos)
-            else:
-                pm = (s + bias.unsqueeze(1)).softmax(-1)
-            nbar = torch.bmm(pm.reshape(K * B, H * P, T), n4.reshape(K * B, T, d))  # [K*B, H*P, d]
-            nbar = nbar.view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
-            W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
-            M = torch.matmul(W_o, Wn[:, :, 2 * e:])  # [K, H, d, d] = W_O,h W_V,h (LN weight folded)
-            c = _bmv(W_out, bn[:, :, 2 * e:].reshape(K, d, 1))  # [K, d, 1] = W_O W_V b
-            xq = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
-            x = torch.baddbmm(xq + c.transpose(1, 2), nbar, M.permute(0, 1, 3, 2).reshape(K, H * d, d))
-    if not few:
-        x = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
+def _vocab_heads(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torch.Tensor, gc: torch.Tensor):
+    """Layer 0 of a token model (point 3): LN(E) W^T for the V vocabulary rows with all in_proj rows in
+    per-head order, scaled, laid out [K, H, V, .], gathered by token: (q_ext, k_ext, v), [K*H*B, T, .]."""
+    K, B, T, H, d, dh, r = c.K, c.B, c.T, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
+    pre, e = f"blocks.{l}.", dh + r
+    E = params["embed.weight"]
+    V = E.shape[1]
+    W_p, scale = _per_head_rows(params[pre + "attn.in_proj.weight"], gc, d, H, dh, r)
+    w = 2 * e + dh
+    rows = torch.addcmul(params[pre + "ln.bias"][:, None, :], _layer_norm(E), params[pre + "ln.weight"][:, None, :])
+    tab = torch.bmm(rows, W_p.transpose(1, 2)) * scale[:, None, :]  # [K, V, H*w]
+    tab = tab.view(K, V, H, w).transpose(1, 2)  # [K, H, V, w]
+    hidx = c.inputs.unsqueeze(1) + (torch.arange(K * H, device=c.inputs.device) * V).view(K, H, 1, 1)  # [K, H, B, T]
+    return tuple(_gather(tab[..., a:b].reshape(K * H * V, b - a), hidx).view(K * H * B, T, b - a)
+                 for a, b in ((0, e), (e, 2 * e), (2 * e, w)))
+
+
+def _plain_heads(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torch.Tensor, gc: torch.Tensor):
+    """A middle layer's (q_ext, k_ext, v), [K*H*B, T, .]: three projections of one LayerNorm of x with
+    the in_proj rows in per-head order, scaled, the LayerNorm affine folded in (points 1, 2)."""
+    K, B, T, H, d, dh, r = c.K, c.B, c.T, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
+    pre, e = f"blocks.{l}.", dh + r
+    ln_w, ln_b = params[pre + "ln.weight"], params[pre + "ln.bias"]  # [K, d]
+    W_p, scale = _per_head_rows(params[pre + "attn.in_proj.weight"], gc, d, H, dh, r)
+    Wh = (W_p * scale[:, :, None]).view(K, H, -1, d)
+    W_qu, W_kw, W_v = (Wh[:, :, a:b].reshape(K, -1, d) for a, b in ((0, e), (e, 2 * e), (2 * e, None)))
+    n = _layer_norm(x)  # [K, B*T, d] (the affine part is folded into the weights)
+
+    def heads(Wr, width):  # three projections of one n: slicing a fused output costs more
+        y = _proj(n, Wr, ln_w, ln_b).view(K, B, T, H, width)
+        return y.permute(0, 3, 1, 2, 4).reshape(K * H * B, T, width)
+    return heads(W_qu, e), heads(W_kw, e), heads(W_v, dh)
+
+
+def _full_attention(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torch.Tensor, qe: torch.Tensor,
+                    ke: torch.Tensor, v: torch.Tensor, gp: torch.Tensor) -> torch.Tensor:
+    """x + attention(x) W_out^T for every position: the prior's bias with the mask (and a static
+    scheme's), RoPE's rotation, the fused attention (or a contextual scheme's, point 6), the residual
+    add fused into the output projection (point 5). Returns [K, B*T, d]."""
+    K, B, T, d, dh = c.K, c.B, c.T, cfg.d_model, cfg.d_head
+    pre = f"blocks.{l}."
+    bias = _with_static(_pos_bias(params[pre + "attn.pos_bias"], gp, c.off_all, c.mask_all), c.static[l])
+    if c.rot is not None:
+        qe, ke = rotate_pairs(qe, *c.rot, dh), rotate_pairs(ke, *c.rot, dh)
+    if _scheme_kind(cfg.positional) in _CONTEXTUAL:  # CoPE, DAPE, GPSA: the scheme's own code (point 6)
+        z = _contextual_attention(params, cfg, l, qe, ke, v, bias, c.kpos)
+    else:
+        z = _attention(qe, ke, v, bias)  # [K*H*B, T, dh]
+    z = z.view(K, cfg.n_heads, B, T, dh).permute(0, 2, 3, 1, 4).reshape(K, B * T, d)
+    return torch.baddbmm(x, z, params[pre + "attn.out_proj.weight"].transpose(1, 2))
+
+
+def _reassociated_layer(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torch.Tensor, gp: torch.Tensor,
+                        gc: torch.Tensor) -> torch.Tensor:
+    """The last layer at the loss positions only, keys and values re-associated onto n (point 4): in_proj
+    rows in per-head order [Q_h, U_h, K_h, W_h, V_h], scaled (1/sqrt(dh) on Q, the content gate on U),
+    the LayerNorm affine folded in (point 1). Returns [K, B*P, d]."""
+    K, B, T, P, pos = c.K, c.B, c.T, len(c.pos), c.pos
+    H, d, dh, r = cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
+    pre, e = f"blocks.{l}.", dh + r
+    ln_w, ln_b = params[pre + "ln.weight"], params[pre + "ln.bias"]  # [K, d]
+    W_out = params[pre + "attn.out_proj.weight"]  # [K, d, d]
+    W_p, scale = _per_head_rows(params[pre + "attn.in_proj.weight"], gc, d, H, dh, r)
+    w = 2 * e + dh
+    Wp = W_p * scale[:, :, None]
+    Wn = (Wp * ln_w[:, None, :]).view(K, H, w, d)
+    bn = _bmv(Wp, ln_b[:, :, None]).view(K, H, w)  # each row applied to the LN bias
+    n4 = _layer_norm(x).view(K, B, T, d)
+    qa = torch.baddbmm(bn.view(K, 1, H * w), _take(n4, pos).reshape(K, B * P, d),
+                       Wn.view(K, H * w, d).transpose(1, 2))  # [K, B*P, H*w]: all rows, P positions
+    q = qa.view(K, B * P, H, w)[..., :e].transpose(1, 2).reshape(K * H, B * P, e)
+    qt = torch.bmm(q, Wn[:, :, e:2 * e].reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
+    qt = qt.view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
+    s = torch.bmm(qt, n4.reshape(K * B, T, d).transpose(1, 2)).view(K, B, H, P, T)
+    bias = _with_static(_pos_bias(params[pre + "attn.pos_bias"], gp, c.off_q, c.mask_q), c.static[l])
+    if _scheme_kind(cfg.positional) in _CONTEXTUAL:  # point 6: the scheme's own code on these P queries
+        qs = None
+        if _scheme_kind(cfg.positional) == "logits":
+            # CoPE and DAPE read the logits themselves, not only their softmax: add back point 4's
+            # const_i = q_ext,i . bn_K (the key and content-factor rows applied to the LayerNorm
+            # bias; it cancels only in a softmax), and pass the unscaled q; the keys are never
+            # formed here (neither scheme reads k)
+            const = torch.bmm(q, bn[:, :, e:2 * e].reshape(K * H, e, 1))  # [K*H, B*P, 1]
+            s = s + const.view(K, H, B, P, 1).transpose(1, 2)
+            qs = q.view(K, H, B, P, e)[..., :dh].transpose(1, 2) * math.sqrt(dh)
+        # a mixed pattern's rows still sum to 1 (GPSA renormalises), so the values re-associate as before
+        pm = _scheme_pattern(params, cfg, l, s, qs, None, bias, torch.tensor(pos, device=x.device), c.kpos)
+    else:
+        pm = (s + bias.unsqueeze(1)).softmax(-1)
+    nbar = torch.bmm(pm.reshape(K * B, H * P, T), n4.reshape(K * B, T, d))  # [K*B, H*P, d]
+    nbar = nbar.view(K, B, H, P, d).permute(0, 1, 3, 2, 4).reshape(K, B * P, H * d)
+    W_o = W_out.view(K, d, H, dh).permute(0, 2, 1, 3)  # [K, H, d, dh]
+    M = torch.matmul(W_o, Wn[:, :, 2 * e:])  # [K, H, d, d] = W_O,h W_V,h (LN weight folded)
+    cb = _bmv(W_out, bn[:, :, 2 * e:].reshape(K, d, 1))  # [K, d, 1] = W_O W_V b
+    xq = _take(x.view(K, B, T, d), pos).reshape(K, B * P, d)
+    return torch.baddbmm(xq + cb.transpose(1, 2), nbar, M.permute(0, 1, 3, 2).reshape(K, H * d, d))
+
+
+def _readout(params: dict, cfg: ModelConfig, c: _Ctx, x: torch.Tensor) -> torch.Tensor:
+    """The final LayerNorm of the loss positions' x [K, B*P, d] and the tied unembedding (or the vector
+    read-out): [K, B, P, .]."""
     n = _layer_norm(x)  # [K, B*P, d]
     wf, bf = params["ln_final.weight"], params["ln_final.bias"]
     n = torch.addcmul(bf[:, None, :], n, wf[:, None, :])  # only B*P rows: the affine is cheaper here than folded
-    if tokens:
-        out = torch.bmm(n, E.transpose(1, 2))  # tied unembedding
+    if cfg.d_in is None:
+        out = torch.bmm(n, params["embed.weight"].transpose(1, 2))  # tied unembedding
     else:
         # one run at a time: with d_out = 1 each run's product is a matrix-vector one (``_bmv``)
         out = _runwise(torch.baddbmm, params["read_out.bias"][:, None, :], n, params["read_out.weight"].transpose(1, 2))
-    return out.view(K, B, P, -1)
-
+    return out.view(c.K, c.B, len(c.pos), -1)
