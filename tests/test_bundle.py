@@ -104,9 +104,14 @@ def _regenerate(results: Path, root: Path, into: Path, *extra: str) -> list[str]
     manifest = BundleSource(results).manifest
     absent = set(CALIBRATION_SPACES) - {s["name"] for s in manifest.get("spaces", [])}
 
-    def empty(m: re.Match) -> str:
+    carried = {s["name"] for s in manifest.get("spaces", [])}
+
+    def empty(m: re.Match) -> str:  # a space's blocks (of any kind) are kept when the bundle does not carry it
         kind, _, space = m.group(2).partition("-")
-        kept = kind in ("calibration", "robustness") and space in absent
+        space = space.removeprefix("record-")
+        kept = (kind in ("calibration", "robustness") and space in absent) or (
+            kind in ("identification", "length", "sensitivity", "robustness", "calibration") and space not in carried
+            and space not in CALIBRATION_SPACES)
         return m.group(0) if kept else m.group(1) + "(emptied)" + m.group(3)
     out = into / results.relative_to(root)
     out.mkdir(parents=True)
