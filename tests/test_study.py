@@ -115,11 +115,11 @@ def _verdicts(report: Path) -> str:
     return text[text.index("## Verdicts"):text.index("## 1.")]
 
 
-def _study(task, prior, tmp_path):
+def _study(task, prior, tmp_path, resume=True, **kw):
     from softprior.store import RunStore
     from softprior.study import STUDY_PATHS, StudyError, run_study
     store = RunStore(tmp_path / "runs")
-    plan = _tiny(task, prior, tmp_path)
+    plan = _tiny(task, prior, tmp_path, **kw)
     report = run_study(plan, store, log=lambda m: None)
     verdict = _verdicts(report)
     for cl in ("prior helps", "unforced relies", "fade keeps", "linear anneal", "constant gate", "late hard switch",
@@ -128,12 +128,20 @@ def _study(task, prior, tmp_path):
     pre = json.loads((plan.dir / "preregistration.json").read_text())
     assert pre["record"] in {r["hash"] for r in store.calibration_records()}
     rows = store.rows()
+    if not resume:
+        return plan, store, len(STUDY_PATHS)
     # resumed: nothing more trains, the same verdicts
     before = len(rows)
-    assert _verdicts(run_study(_tiny(task, prior, tmp_path), store, log=lambda m: None)) == verdict
+    assert _verdicts(run_study(_tiny(task, prior, tmp_path, **kw), store, log=lambda m: None)) == verdict
     assert len(store.rows()) == before
     with pytest.raises(StudyError, match="other settings"):
-        run_study(_tiny(task, prior, tmp_path, steps=5), store, log=lambda m: None)
+        run_study(_tiny(task, prior, tmp_path, **{**kw, "steps": 5}), store, log=lambda m: None)
+    # claims edited after they were pre-registered: refused before anything more trains
+    f = plan.dir / "preregistration.json"
+    f.write_text(json.dumps({**pre, "chance": pre["chance"] + 0.01}))
+    with pytest.raises(StudyError, match="pre-registered"):
+        run_study(_tiny(task, prior, tmp_path, **kw), store, log=lambda m: None)
+    assert len(store.rows()) == before
     return plan, store, len(STUDY_PATHS)
 
 
@@ -146,10 +154,15 @@ def test_study_of_a_plugin_prior_end_to_end(plugins, tmp_path):
 
 
 def test_study_of_a_plugin_task_end_to_end(plugins, tmp_path):
-    plan, store, n_paths = _study("second_occurrence", "soft", tmp_path)
+    """Two candidates, so the robustness map trains the paths on the one not chosen (no record covers
+    it: the map is exploratory, as calibration's); the difficulty rows are the search's own runs."""
+    plan, store, n_paths = _study("second_occurrence", "soft", tmp_path, resume=False, budget=2)
     cfgs = [store.load_config(r["run_id"]) for r in store.rows()]
     assert {c.task.name for c in cfgs} == {"second_occurrence"}
-    assert "ceiling 1.000" in (plan.dir / "REPORT.md").read_text()
+    text = (plan.dir / "REPORT.md").read_text()
+    assert "ceiling 1.000" in text and "## 4. The robustness map" in text and "| prior helps |" in text
+    # per candidate the 8 paths, no more: unforced and forced_zero are the search's runs, posthoc's parent the unforced
+    assert len(cfgs) == 2 * n_paths
 
 
 def test_a_static_scheme_serves_as_a_removable_prior():

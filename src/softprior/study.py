@@ -194,10 +194,10 @@ def row_configs(space: SearchSpace, cand, plan: StudyPlan, seeds, snapshots: boo
     """[(row label, seed, RunConfig)] of the study's paths on a candidate, each path scaled to the
     study's budget; the fade keeps weights every tenth of the run when ``snapshots`` (the trace)."""
     from .calibration.search import candidate_configs
-    from .paths import get_path, scale_to_budget
+    from .paths import get_path
     out = []
     for label, name in plan.paths:
-        path = scale_to_budget(get_path(name), plan.steps, PAPER_STEPS)
+        path = _at_budget(get_path(name), plan.steps)
         for _, s, cfg in candidate_configs(space, cand.task_options, cand.model_options, seeds,
                                            rows=[Row(path=name)], steps=plan.steps):
             upd = {"path": path}
@@ -205,6 +205,15 @@ def row_configs(space: SearchSpace, cand, plan: StudyPlan, seeds, snapshots: boo
                 upd["snapshot_every"] = max(1, plan.steps // 10)
             out.append((label, s, cfg.model_copy(update=upd)))
     return out
+
+
+def _at_budget(path, steps: int):
+    """``path`` scaled to ``steps`` (``paths.scale_to_budget``, a new name) where that changes its
+    trajectory; as it is where nothing in it counts steps (unforced, forced_zero, a constant gate, the
+    linear anneal to the final step), so the difficulty rows are the search's own runs."""
+    from .paths import scale_path, scale_to_budget
+    same = scale_path(path, steps / PAPER_STEPS).model_copy(update={"description": path.description}) == path
+    return path if same else scale_to_budget(path, steps, PAPER_STEPS)
 
 
 def _tables(store, rows) -> dict:
@@ -249,14 +258,12 @@ def _chosen(cands, rec: dict):
 def _preregister(plan: StudyPlan, rec: dict, levels: tuple, claims: list[PaperClaim]) -> dict:
     """Write the study's claims (and the record they rest on) before any path trains; on resume,
     refuse if they would differ from those written then."""
-    from .claims import claims_spec
     body = {"record": rec["hash"], "metric": levels[0], "chance": levels[1], "ceiling": levels[2],
-            "claims": [{"name": c.name, "conditions": [k.describe() for k in c.conditions]} for c in claims],
-            "paper_claims": len(claims_spec())}
+            "claims": [{"name": c.name, "conditions": [k.describe() for k in c.conditions]} for c in claims]}
     f = plan.dir / "preregistration.json"
     if f.exists():
         old = json.loads(f.read_text())
-        if {k: v for k, v in old.items() if k != "written_at"} != body:
+        if {k: old.get(k) for k in body} != body:  # the record, the levels and every claim's conditions
             raise StudyError(f"{f}: the study's claims or record changed since they were pre-registered "
                              f"(written {old.get('written_at')}); start a new study (--name)")
         return old
@@ -265,12 +272,15 @@ def _preregister(plan: StudyPlan, rec: dict, levels: tuple, claims: list[PaperCl
     return body
 
 
-def _execute(plan: StudyPlan, store, cfgs, log) -> None:
+def _execute(plan: StudyPlan, store, cfgs, log, registered: bool = True) -> None:
+    """Train ``cfgs``; ``registered=False`` for the robustness map, whose other candidates no record
+    covers (as ``calibration.robustness.run_robustness``: the map comes after the registration and
+    never feeds back into the choice)."""
     from .executors import execute
     if not cfgs:
         return
     rep = execute(cfgs, store, executor=plan.executor, workers=plan.workers, group_size=plan.group_size,
-                  address=plan.address, progress=False, sweep_bar=False)
+                  address=plan.address, progress=False, sweep_bar=False, require_calibration=registered)
     if rep.failed:
         raise StudyError(f"study: {len(rep.failed)} run(s) failed: {rep.failed[0][1][:300]}")
 
@@ -309,7 +319,7 @@ def run_study(plan: StudyPlan, store, log=print) -> Path:
     others = [c for c in mapped(space, cands) if c.cid != chosen.cid]
     map_rows = {c.cid: row_configs(space, c, plan, seeds) for c in others}
     log(f"study {plan.name}: 4/5 robustness map ({len(others)} other candidate(s))")
-    _execute(plan, store, [cfg for rows in map_rows.values() for _, _, cfg in rows], log)
+    _execute(plan, store, [cfg for rows in map_rows.values() for _, _, cfg in rows], log, registered=False)
     log(f"study {plan.name}: 5/5 report")
     from .study_report import write_report
     return write_report(plan, store, space, cands, rec, chosen, claims, levels, main_rows,
