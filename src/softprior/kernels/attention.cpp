@@ -208,17 +208,20 @@ void forward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t* 
   const int64_t TP = padded(s.T), DP = padded(s.dh), QR = rounded(s.Tq, R), G = QR / R;
   const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
   Buffer<scalar_t> kT(s.e * TP), vb(TP * DP), sc(QR * TP), zb(QR * DP);
+  // rows of whole tiles, whole groups of rows, aligned: the softmax is formed in P itself, not copied there
+  const bool direct = s.T % VL == 0 && s.Tq % R == 0 && reinterpret_cast<uintptr_t>(p) % 64 == 0;
   for (int64_t n = begin; n < end; ++n) {
     const int64_t kh = n / s.B;
     const scalar_t* qn = q + n * s.Tq * s.e;
     load_transposed(k + n * s.T * s.e, s.T, s.e, kT.get(), TP);
     const scalar_t* vn = as_tiles(v + n * s.T * s.dh, s.T, s.dh, vb.get());
+    scalar_t* S = direct ? p + n * s.Tq * s.T : sc.get();
     for (int64_t g = 0; g < G; ++g) {
       const int64_t glim = mask.group_lim(kh, s.Tq, g), tiles = (glim + VL - 1) / VL;
       // S = q k^T for R query rows, over the keys some row of the group sees
-      rows_times(Rows<scalar_t>(qn, s.e, g * R, s.Tq).p, 1, 0, s.e, kT.get(), TP, tiles, sc.get() + g * R * TP, TP);
+      rows_times(Rows<scalar_t>(qn, s.e, g * R, s.Tq).p, 1, 0, s.e, kT.get(), TP, tiles, S + g * R * TP, TP);
       for (int64_t i = g * R; i < std::min(s.Tq, g * R + R); ++i) {  // softmax of S + bias, row by row
-        V* x = reinterpret_cast<V*>(sc.get() + i * TP);
+        V* x = reinterpret_cast<V*>(S + i * TP);
         const V* b = reinterpret_cast<const V*>(mask.bias.get() + (kh * s.Tq + i) * TP);
         V mx = V{} + ninf;
         for (int64_t t = 0; t < tiles; ++t) {
@@ -227,7 +230,7 @@ void forward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t* 
         }
         const scalar_t m = lane_max(mx);
         if (m == ninf) {  // every key masked: softmax is 0/0, NaN, as torch.softmax gives
-          std::fill(sc.get() + i * TP, sc.get() + (i + 1) * TP, std::numeric_limits<scalar_t>::quiet_NaN());
+          std::fill(S + i * TP, S + (i + 1) * TP, std::numeric_limits<scalar_t>::quiet_NaN());
         } else {
           V sum = V{};
           for (int64_t t = 0; t < tiles; ++t) {
@@ -238,10 +241,10 @@ void forward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t* 
           for (int64_t t = 0; t < tiles; ++t) x[t] *= inv;
           for (int64_t t = tiles; t < TP / VL; ++t) x[t] = V{};
         }
-        copy_n(sc.get() + i * TP, s.T, p + (n * s.Tq + i) * s.T);
+        if (!direct) copy_n(S + i * TP, s.T, p + (n * s.Tq + i) * s.T);
       }
       // z = P v for the group's rows, over the keys it sees, in order
-      rows_times(Rows<scalar_t>(sc.get(), TP, g * R, QR).p, 1, 0, glim, vn, DP, DP / VL, zb.get() + g * R * DP, DP);
+      rows_times(Rows<scalar_t>(S, TP, g * R, QR).p, 1, 0, glim, vn, DP, DP / VL, zb.get() + g * R * DP, DP);
     }
     for (int64_t i = 0; i < s.Tq; ++i) copy_n(zb.get() + i * DP, s.dh, z + (n * s.Tq + i) * s.dh);
   }
@@ -256,11 +259,16 @@ void backward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t*
                 KR = rounded(s.T, R), GK = KR / R;
   Buffer<scalar_t> vT(s.dh * TP), kb(TP * EP), qb(QR * EP), dzb(QR * DP), pb(QR * TP), dpb(QR * TP), ds(QR * TP),
       out(std::max(QR, KR) * std::max(EP, DP));
+  // as in the forward: P read and dS written in place where their rows are whole, aligned tiles
+  const bool direct = s.T % VL == 0 && s.Tq % R == 0 && reinterpret_cast<uintptr_t>(p) % 64 == 0 &&
+                      reinterpret_cast<uintptr_t>(ds_all) % 64 == 0;
   for (int64_t n = begin; n < end; ++n) {
     const int64_t kh = n / s.B;
     const scalar_t* dzn = dz + n * s.Tq * s.dh;
     load_transposed(v + n * s.T * s.dh, s.T, s.dh, vT.get(), TP);
-    load_rows(p + n * s.Tq * s.T, s.Tq, s.T, pb.get(), TP);
+    if (!direct) load_rows(p + n * s.Tq * s.T, s.Tq, s.T, pb.get(), TP);
+    const scalar_t* Pn = direct ? p + n * s.Tq * s.T : pb.get();
+    scalar_t* D = direct ? ds_all + n * s.Tq * s.T : ds.get();
     const scalar_t* kn = as_tiles(k + n * s.T * s.e, s.T, s.e, kb.get());
     const scalar_t* qn = as_tiles(q + n * s.Tq * s.e, s.Tq, s.e, qb.get());
     const scalar_t* dzt = as_tiles(dzn, s.Tq, s.dh, dzb.get());
@@ -270,18 +278,18 @@ void backward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t*
       rows_times(Rows<scalar_t>(dzn, s.dh, g * R, s.Tq).p, 1, 0, s.dh, vT.get(), TP, tiles, dpb.get() + g * R * TP,
                  TP);
       for (int64_t i = g * R; i < std::min(s.Tq, g * R + R); ++i) {
-        const V* pi = reinterpret_cast<const V*>(pb.get() + i * TP);
+        const V* pi = reinterpret_cast<const V*>(Pn + i * TP);
         const V* dpi = reinterpret_cast<const V*>(dpb.get() + i * TP);
-        V* dsi = reinterpret_cast<V*>(ds.get() + i * TP);
+        V* dsi = reinterpret_cast<V*>(D + i * TP);
         V acc = V{};
         for (int64_t t = 0; t < tiles; ++t) acc += dpi[t] * pi[t];
         const scalar_t dot = lane_sum(acc);
         for (int64_t t = 0; t < tiles; ++t) dsi[t] = pi[t] * (dpi[t] - dot);
         for (int64_t t = tiles; t < TP / VL; ++t) dsi[t] = V{};
-        copy_n(ds.get() + i * TP, s.T, ds_all + (n * s.Tq + i) * s.T);
+        if (!direct) copy_n(D + i * TP, s.T, ds_all + (n * s.Tq + i) * s.T);
       }
       // dq = dS k for the group's rows
-      rows_times(Rows<scalar_t>(ds.get(), TP, g * R, QR).p, 1, 0, glim, kn, EP, EP / VL, out.get() + g * R * EP, EP);
+      rows_times(Rows<scalar_t>(D, TP, g * R, QR).p, 1, 0, glim, kn, EP, EP / VL, out.get() + g * R * EP, EP);
     }
     for (int64_t i = 0; i < s.Tq; ++i) copy_n(out.get() + i * EP, s.e, dq + (n * s.Tq + i) * s.e);
     // dk = dS^T q and dv = P^T dz, R keys (columns of dS and P) at a time, over the queries from the
@@ -289,9 +297,9 @@ void backward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t*
     for (int64_t g = 0; g < GK; ++g) {
       const int64_t* f = mask.first.data() + kh * KR + g * R;
       const int64_t i0 = *std::min_element(f, f + R);
-      rows_times(Rows<scalar_t>(ds.get(), 1, g * R, s.T).p, TP, i0, s.Tq, qn, EP, EP / VL, out.get() + g * R * EP, EP);
+      rows_times(Rows<scalar_t>(D, 1, g * R, s.T).p, TP, i0, s.Tq, qn, EP, EP / VL, out.get() + g * R * EP, EP);
       for (int64_t j = g * R; j < std::min(s.T, g * R + R); ++j) copy_n(out.get() + j * EP, s.e, dk + (n * s.T + j) * s.e);
-      rows_times(Rows<scalar_t>(pb.get(), 1, g * R, s.T).p, TP, i0, s.Tq, dzt, DP, DP / VL, out.get() + g * R * DP, DP);
+      rows_times(Rows<scalar_t>(Pn, 1, g * R, s.T).p, TP, i0, s.Tq, dzt, DP, DP / VL, out.get() + g * R * DP, DP);
       for (int64_t j = g * R; j < std::min(s.T, g * R + R); ++j)
         copy_n(out.get() + j * DP, s.dh, dv + (n * s.T + j) * s.dh);
     }
