@@ -61,8 +61,9 @@ def load_plugin(path: str) -> None:
 
 
 def load_noted_plugins() -> bool:
-    """Load every file noted in ``SOFTPRIOR_PLUGINS`` not loaded yet (a worker process); True if any was."""
-    todo = [p for p in os.environ.get(ENV, "").split(os.pathsep) if p and p not in _LOADED]
+    """Load every file noted in ``SOFTPRIOR_PLUGINS`` not loaded yet (a worker process); True if any was.
+    A noted file that no longer exists is passed over (the lookup then names the unknown entry)."""
+    todo = [p for p in os.environ.get(ENV, "").split(os.pathsep) if p and p not in _LOADED and Path(p).is_file()]
     for p in todo:
         load_plugin(p)
     return bool(todo)
