@@ -93,12 +93,19 @@ def _step_per_run(opt: torch.optim.AdamW, K: int, closure=None):
     now sees the kernel calls it sees alone; the state (and the checkpoint format) is the stacked
     tensors', as before. The update itself is ``torch.optim.adamw.adamw``, AdamW's own."""
     from torch.optim.adamw import adamw
-    for group in opt.param_groups:
+    cache = opt.__dict__.setdefault("_per_run_views", {})
+    for gi, group in enumerate(opt.param_groups):
         ps, gs, ms, vs, mx, steps = [], [], [], [], [], []
         opt._init_group(group, ps, gs, ms, vs, mx, steps)
-        per_run = [s.clone() for s in steps for _ in range(K)]  # adamw counts each run's step once
+        # the per-run views (and step counters, which adamw counts once per run) are made once per set of
+        # tensors: a resumed state's new tensors make new ones (the views keep their bases, so ids stay unique)
+        key = tuple(id(t) for ts in (ps, gs, ms, vs, mx, steps) for t in ts)
+        if cache.get(gi, (None,))[0] != key:
+            cache[gi] = (key, [[t[k] for t in ts for k in range(K)] for ts in (ps, gs, ms, vs, mx)],
+                         [s.clone() for s in steps for _ in range(K)])
+        _, views, per_run = cache[gi]
         beta1, beta2 = group["betas"]
-        adamw(*([t[k] for t in ts for k in range(K)] for ts in (ps, gs, ms, vs, mx)), per_run,
+        adamw(*views, per_run,
               foreach=False, fused=group["fused"], amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2,
               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
         for s in steps:
@@ -212,6 +219,8 @@ class Runs:
         for p in self.params.values():  # a zero gradient (not None) for a parameter a step leaves out (a
             p.grad = torch.zeros_like(p)  # forced or dropped gate's logit): AdamW counts every step for every tensor
         self.opt = make_optimizer(self.params.items(), c0, self.K)
+        # each run's slice of each gradient as [1, n] (the gradients are zeroed in place, never replaced)
+        self._grad_rows = [[p.grad[k].reshape(1, -1) for p in self.params.values()] for k in range(self.K)]
         self.clip = torch.tensor([c.grad_clip if c.grad_clip is not None else math.inf for c in cfgs], device=dev)
         self.data_gens = [seeded_generator(c.seed, 0) for c in cfgs]
         self.drop_gens = [seeded_generator(c.seed, 1) for c in cfgs]
@@ -280,7 +289,7 @@ class Runs:
                 self.dual)
         self.opt.zero_grad(set_to_none=False)
         (loss_k.sum() if loss_k.dim() else loss_k).backward()
-        clip_per_run_([p.grad for p in self.params.values()], self.clip)
+        clip_per_run_([p.grad for p in self.params.values()], self.clip, self._grad_rows)
         self.opt.step()
         return loss_k.detach().reshape(self.K)
 
@@ -341,7 +350,7 @@ def _one_run_at_a_time(f: Callable, shared: bool) -> Callable:
     return per_run
 
 
-def clip_per_run_(grads: list[torch.Tensor], max_norm: torch.Tensor) -> None:
+def clip_per_run_(grads: list[torch.Tensor], max_norm: torch.Tensor, rows: list | None = None) -> None:
     """Gradient clipping per run (Pascanu et al. 2013, as ``torch.nn.utils.clip_grad_norm_``): each
     run's gradients, run-stacked [K, ...], are scaled by min(1, max_norm_k / (||g_k|| + 1e-6)), where
     ||g_k|| is the global 2-norm of run k's slice of every gradient; ``max_norm`` [K] (inf: no
@@ -349,10 +358,12 @@ def clip_per_run_(grads: list[torch.Tensor], max_norm: torch.Tensor) -> None:
 
     Each run's norm is reduced from its own slices, as for the run alone: a row-wise reduction of the
     stacked [K, n] gradient is split across threads and vectorised differently from one run's full
-    reduction of its n elements (docs/DESIGN.md, "Bit-identity")."""
+    reduction of its n elements (docs/DESIGN.md, "Bit-identity"). ``rows``: per run, its [1, n] view of
+    each gradient, if the caller keeps them (``Runs``)."""
     K = max_norm.shape[0]
-    norms = torch.cat([torch.stack([g[k].reshape(1, -1).pow(2).sum(1) for g in grads]).sum(0).sqrt()
-                       for k in range(K)])  # [K]
+    if rows is None:
+        rows = [[g[k].reshape(1, -1) for g in grads] for k in range(K)]
+    norms = torch.cat([torch.stack([x.sum(1) for x in torch._foreach_pow(r, 2)]).sum(0).sqrt() for r in rows])  # [K]
     scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     scale = torch.where(torch.isinf(max_norm), 1.0, scale)  # clipping off: no scale, even for an overflowing norm
     torch._foreach_mul_(grads, [scale.view(K, *([1] * (g.dim() - 1))) for g in grads])
