@@ -15,7 +15,11 @@ Layout (``FORMAT`` 1; ``BundleSource`` refuses any other)::
 
     bundle/manifest.json          format, the writer's code version, the options the cells were built
                                   with, the experiments and calibration spaces in order, exploratory or
-                                  not, and where the documents were written (relative to the results)
+                                  not, where the documents were written (relative to the results), and
+                                  ``records``: each record's hash -> the start time of the first
+                                  prediction row the store trained under it (``first_row``, Unix
+                                  seconds; null: none), the clock a report checks a record's age by
+                                  outside git (``records.age_problems``)
     bundle/parts/NAME.json        per experiment (and ``calibration-SPACE``): every run it asked about
                                   (done or not), its derived answers (kind, key, value), its frames
     bundle/summaries/RUN_ID.json  a finished run's summary (no weights)
@@ -381,6 +385,22 @@ class BundleSource:
         is refused, naming its file)."""
         from .records import read_record
         return [read_record(f) for f in sorted((self.root / "records").glob("*.json"))]
+
+    def record_first_rows(self, named) -> dict[str, float | None]:
+        """Record hash -> the first prediction row's start under it, for the hashes ``named``, from the
+        manifest's ``records``. A record the bundle holds or a run names that the manifest does not list
+        (swapped or rehashed after the bundle was written) is refused, one line naming its file."""
+        from .records import RecordRefused
+        listed = self.manifest.get("records")
+        if not isinstance(listed, dict):
+            raise BundleError(f"results bundle {str(self.root)!r}: its manifest carries no record hashes and first-row "
+                              "times (written before bundles did): regenerate it with `softprior reproduce paper`")
+        held = {f.stem for f in (self.root / "records").glob("*.json")}
+        for h in sorted(held | set(named)):
+            if h not in listed:
+                raise RecordRefused(f"{self.root}/records/{h}.json", "the bundle's manifest does not list this "
+                                    "record: it was added or rewritten after the bundle was written")
+        return {h: (listed[h] or {}).get("first_row") for h in named}
 
     def _no_weights(self, what: str):
         raise BundleError(f"the results bundle {str(self.root)!r} holds no weights: {what} needs the run store "

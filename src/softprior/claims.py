@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["CONFIDENCE", "HIGH", "Cond", "PaperClaim", "CLAIMS", "mean_interval", "sd_interval",
-           "difference_interval", "verdict_of", "verdicts", "claims_spec", "claims_for_task", "task_of"]
+           "difference_interval", "verdict_of", "verdicts", "claims_spec", "claims_for_task", "task_of", "changed_claims",
+           "REFUSED"]
 
 CONFIDENCE = 0.95  # two-sided level of every verdict's interval
 
@@ -306,13 +307,21 @@ def verdict_of(outcomes: list) -> str:
     return f"partly ({held} of {len(outcomes)} conditions hold" + (f", {open_} undecided)" if open_ else ")")
 
 
-def verdicts(tables, claims=None) -> list[tuple[PaperClaim, str, list[str]]]:
+REFUSED = "refused: its predicates changed since they were registered"
+
+
+def verdicts(tables, claims=None, changed: dict[str, list[str]] | None = None) -> list[tuple[PaperClaim, str, list[str]]]:
     """(claim, verdict, evidence lines) for every claim (``claims``: these instead of the paper's, e.g.
     a study's, ``softprior.study``). A claim whose ``valid_if`` preconditions are measured and do not
-    all hold is *inconclusive* whatever its conditions say (the evidence names the failed precondition)."""
+    all hold is *inconclusive* whatever its conditions say (the evidence names the failed precondition).
+    ``changed``: claim name -> how its predicates differ from those a calibration record of its tables
+    registered (``changed_claims``); such a claim gets no verdict (``REFUSED``), its evidence the changes."""
     out = []
     mark = {True: "✓", False: "✗", "undecided": "~", None: "?"}
     for cl in (CLAIMS if claims is None else claims):
+        if changed and changed.get(cl.name):
+            out.append((cl, REFUSED, list(changed[cl.name])))
+            continue
         res = [c.measure(tables) for c in cl.conditions]
         v = verdict_of([ok for ok, _ in res])
         pre = [c.measure(tables) for c in cl.valid_if]
@@ -322,6 +331,32 @@ def verdicts(tables, claims=None) -> list[tuple[PaperClaim, str, list[str]]]:
         ev = [f"{mark[ok]} {txt}" for ok, txt in res] + [f"precondition {mark[ok]} {txt}" for ok, txt in pre
                                                            if ok is not None]
         out.append((cl, v, ev))
+    return out
+
+
+def changed_claims(registered: list[dict], claims=None) -> dict[str, list[str]]:
+    """How today's declaration (``claims_spec``) differs from the claims a record ``registered``, for the
+    claims it registered (by name): claim name -> one line per change (a condition's predicate, the
+    confidence level, a condition added or removed); claims unchanged, and claims it did not register,
+    are left out. A threshold moved after the results were seen shows here."""
+    now = {c["name"]: c for c in (claims_spec() if claims is None else claims)}
+    out: dict[str, list[str]] = {}
+    for reg in registered:
+        name, cur = reg.get("name"), now.get(reg.get("name"))
+        if cur is None or cur == reg:
+            continue
+        lines = []
+        old, new = list(reg.get("conditions", [])), list(cur["conditions"])
+        for i in range(max(len(old), len(new))):
+            a = old[i] if i < len(old) else None
+            b = new[i] if i < len(new) else None
+            if a != b:
+                lines.append(f"condition {i + 1} registered as {a!r}, declared now as {b!r}" if a and b else
+                             f"condition {i + 1} {'added' if b else 'removed'} since registration: {(b or a)!r}")
+        for k in sorted(set(reg) | set(cur)):
+            if k not in ("name", "conditions") and reg.get(k) != cur.get(k):
+                lines.append(f"{k} registered as {reg.get(k)!r}, declared now as {cur.get(k)!r}")
+        out[name] = lines
     return out
 
 

@@ -431,7 +431,11 @@ def _paper(args, train: bool) -> int:
 
         def rel(p):
             return Path(os.path.relpath(Path(p).resolve(), out.resolve())).as_posix() if p else None
-        writer.finish({"options": {"seeds": opts.seeds, "quick": opts.quick,
+        from .store.records import first_rows
+        first = first_rows(store.index.rows())  # each record's age, for a report outside git (bundle.py)
+        held = sorted(f.stem for f in (writer.dir / "records").glob("*.json"))
+        writer.finish({"records": {h: {"first_row": first.get(h)} for h in held},
+                       "options": {"seeds": opts.seeds, "quick": opts.quick,
                                    "tasks": list(opts.tasks) if opts.tasks is not None else None,
                                    "extend": [list(x) for x in opts.extend], "extend_seeds": opts.extend_seeds},
                        "experiments": [e.name for e, _ in exps], "spaces": [{"name": s} for s in written],

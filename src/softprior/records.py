@@ -37,7 +37,16 @@ Records prove themselves:
   committed before the store kept its clock have ``record`` NULL and are not judged by it.)
 - **Git, the clock of the shipped records.** ``git_clock_problems`` checks in the repository's
   history that every table under ``docs/results/`` naming a shipped record was committed after that
-  record, with the content it has now.
+  record, with the content it has now. ``age_problems`` checks each shipped record's age against
+  the rows it covers: in a git checkout, the first commit that shipped it with its present content
+  (``first_commits``) must be no earlier than its ``registered_at`` and no later than the first
+  prediction row it covers (the store's start times, or a results bundle's manifest); a record never
+  committed with its present content (forged, or edited since) is refused. Outside git (an installed
+  package, a shallow clone) ``registered_at`` is read against the first row alone, and a results
+  bundle's manifest (``bundle.py``) carries the hashes and first-row times a report checks.
+- **The claims.** A v2 record registers the claims' predicates (``claims.claims_spec``);
+  ``claims.changed_claims`` compares them with today's declaration, and a verdict whose predicate
+  changed since is refused (``claims.verdicts``), as ``store verify`` reports it.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ from typing import Iterable
 __all__ = ["calibration_key", "shipped_records", "all_shipped_records", "find_record", "CalibrationMissing",
            "RecordRefused", "DIFFICULTY_PATHS", "LATER_DEFAULTS", "default_options", "record_hash", "verify_record",
            "read_record", "shipped_files", "late_record_reason", "needs_record", "record_keys", "git_clock_problems",
-           "HASH_SCHEME"]
+           "HASH_SCHEME", "first_commits", "age_problems", "package_repo", "registered_time", "REGISTERED"]
 
 # identification rows' paths (tiers.py): a constant or learned gate, or no prior; they need no record
 DIFFICULTY_PATHS = {"unforced", "forced_zero", "forced_const0.5", "soft_pos_only", "soft_content_only"}
@@ -291,3 +300,110 @@ def _shipped_at(repo: Path, commit: str, registered: str, rec: dict) -> bool:
             except ValueError:
                 continue
     return False
+
+
+# ------------------------------------------------------------------------------------ a record's age
+REGISTERED = "src/softprior/calibration/registered"  # the shipped records, relative to the repository
+
+
+def package_repo() -> Path | None:
+    """The git checkout this package is imported from (``src/softprior`` two levels below its root), or
+    None (an installed package, no git, a shallow clone: there the bundle's manifest is the clock)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists() or not (root / REGISTERED).is_dir():
+        return None
+    try:
+        top = _git(root, "rev-parse", "--show-toplevel", "--is-shallow-repository")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = top.stdout.split()
+    if top.returncode != 0 or len(lines) != 2 or lines[1] != "false" or Path(lines[0]).resolve() != root:
+        return None
+    return root
+
+
+def registered_time(rec: dict) -> float | None:
+    """A record's ``registered_at`` (UTC, "YYYY-MM-DDTHH:MM:SSZ") as a Unix time; None if absent or unreadable."""
+    import calendar
+    import time
+    try:
+        return float(calendar.timegm(time.strptime(rec["registered_at"], "%Y-%m-%dT%H:%M:%SZ")))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+_COMMITS: dict[tuple, dict] = {}  # (repo, HEAD, the records' texts) -> first_commits' answer
+
+
+def first_commits(repo: str | Path, registered: str = REGISTERED) -> dict[str, tuple[str, float] | None]:
+    """Shipped record file (relative to ``repo``) -> (commit, commit time) of the first commit in which a
+    file of ``registered`` held that record with its present content, or None where none did (a record
+    added or edited since its last commit, or never committed). Read from git (``git log -S HASH``: the
+    commits that changed how often its hash appears there), cached per HEAD and content."""
+    repo = Path(repo)
+    files = sorted((repo / registered).glob("*.json"))
+    texts = tuple(f.read_text() for f in files)
+    head = _git(repo, "rev-parse", "HEAD").stdout.strip()
+    key = (str(repo), head, texts)
+    if key not in _COMMITS:
+        out = {}
+        for f, text in zip(files, texts):
+            rel = f"{registered}/{f.name}"
+            try:
+                rec = json.loads(text)
+                h = rec["hash"]
+            except (ValueError, KeyError, TypeError):
+                out[rel] = None
+                continue
+            log = _git(repo, "log", "--reverse", "--format=%H %ct", "-S", str(h), "--", registered).stdout.split("\n")
+            out[rel] = next(((c, float(t)) for c, t in (line.split() for line in log if line.strip())
+                             if _shipped_at(repo, c, registered, rec)), None)
+        _COMMITS.clear()
+        _COMMITS[key] = out
+    return dict(_COMMITS[key])
+
+
+def age_problems(first_rows: dict[str, float | None], records: Iterable[tuple[str, dict]] | None = None,
+                 repo: str | Path | None = None) -> list[tuple[str, str]]:
+    """(file, why) per record that does not prove its age (``RecordRefused(file, why)`` says it in one line). ``first_rows``: record hash ->
+    the start time of the first prediction row it covers (None: no row yet, e.g. at train time the rows
+    start now), for the records to judge; ``records``: (file, record) pairs (default: the shipped
+    ones); ``repo``: the checkout (default ``package_repo()``; outside git only ``registered_at`` is read).
+    A shipped record in a checkout must have been committed with its present content (``first_commits``),
+    no earlier than its ``registered_at`` and no later than its first row; any record's
+    ``registered_at`` must be no later than its first row."""
+    import time
+    repo = package_repo() if repo is None else Path(repo)
+    if records is None:
+        records = [(f"{REGISTERED}/{Path(str(f)).name}", read_record(f)) for f in _shipped_files()]
+    commits = first_commits(repo) if repo is not None else {}
+    out = []
+
+    def when(t: float) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+    for where, rec in records:
+        h = rec.get("hash")
+        if h not in first_rows:
+            continue
+        row, reg = first_rows[h], registered_time(rec)
+        if reg is None:
+            out.append((where, f"no readable registered_at ({rec.get('registered_at')!r})"))
+            continue
+        if row is not None and reg > row:
+            out.append((where, f"registered_at {rec['registered_at']} is later than the first prediction row it "
+                               f"covers (started {when(row)}): it was registered after the fact"))
+            continue
+        if repo is None or where not in commits:
+            continue
+        first = commits[where]
+        if first is None:
+            out.append((where, "no commit ships it with its present content: it was added or edited since (a "
+                               "forged or rewritten record); commit a newly registered record before training under it"))
+        elif first[1] < reg:
+            out.append((where, f"first committed {when(first[1])} (commit {first[0][:12]}), before its registered_at "
+                               f"{rec['registered_at']}: its time was rewritten"))
+        elif row is not None and first[1] > row:
+            out.append((where, f"first committed {when(first[1])} (commit {first[0][:12]}), after the first prediction "
+                               f"row it covers started ({when(row)}): it was back-dated"))
+    return out
+

@@ -20,7 +20,12 @@ index's ``files`` table, in the same transaction that marks the run done. ``veri
   and of the package is re-hashed, a forged or edited one reported with its file; by the store's
   clock (its index's ``record_sightings`` and ``runs.record``), a store record first seen after a
   prediction row it covers had started (added after the fact), and a finished run that ran under a
-  record the store does not hold, first saw only after the run started, or whose keys do not cover it.
+  record the store does not hold, first saw only after the run started, or whose keys do not cover it;
+  each record's age (``records.age_problems``: ``registered_at`` no later than the first prediction row
+  it covers and, for a shipped record in a git checkout, its first commit with its present content
+  between the two); and a record whose registered claims differ from today's declaration
+  (``claims.changed_claims``: listed as changed claims, whose verdicts the reports refuse; not damage
+  that ``--repair`` moves).
 
 Run directories without a finished run in the index (a run in progress, a failed run, or one killed
 before it was committed) are listed as unfinished, not as damage: a sweep trains them anyway.
@@ -49,12 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import records as R
+from ..claims import changed_claims
 from ..config import RunConfig, config_hash
 from . import RunStore
 from .errors import StoreNotFoundError, StoreReadOnlyError
 from .files import sha256_file
 from .index import connect_read_only
-from .records import record_files, rows_started_before
+from .records import first_rows, record_files, rows_started_before
 
 __all__ = ["verify_store", "VerifyReport", "Problem", "REQUIRED_FILES"]
 
@@ -86,6 +92,7 @@ class VerifyReport:
     records_moved: list[str] = field(default_factory=list)  # refused store records --repair moved aside
     rebuilt: int | None = None  # runs indexed again after an index rebuild
     read_only: bool = False  # the store's directory cannot be written (verified all the same; no --repair)
+    claims_changed: list[str] = field(default_factory=list)  # "FILE: claim: change" (claims.changed_claims)
 
     @property
     def damaged_runs(self) -> list[str]:
@@ -98,7 +105,7 @@ class VerifyReport:
 
     @property
     def healthy(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.claims_changed
 
     def lines(self) -> list[str]:
         where = f"store {str(self.root)!r}"
@@ -108,6 +115,7 @@ class VerifyReport:
                    "checksums recorded when they were written"]
         else:
             out = [p.line() for p in self.problems]
+            out += [f"CHANGED CLAIM {c} (its verdict is refused until it is registered again)" for c in self.claims_changed]
             bad = self.damaged_runs
             repaired = bool(self.requeued) or self.rebuilt is not None
             fix = ("; the store is read-only: copy it somewhere writable, then `softprior store verify --repair` "
@@ -116,7 +124,7 @@ class VerifyReport:
                 out.append(f"{where}: the index is damaged" + (f", and {len(bad)} run(s): {', '.join(bad)}" if bad else "")
                            + ("" if repaired else fix + "rebuilds it from the run directories, keeping every intact "
                               "run and re-queueing damaged ones"))
-            elif bad or not self.refused_records:
+            elif bad or (self.problems and not self.refused_records):
                 out.append(f"{where}: {len(bad)} damaged run(s) ({', '.join(bad)}); the other {self.runs - len(bad)} "
                            "finished runs are intact" + ("" if repaired else fix + "re-queues only the damaged runs"))
         if self.refused_records:
@@ -393,8 +401,8 @@ def _record_problems(root: Path, done: dict, clock: dict[str, float], report: Ve
     """Every record re-hashed (the store's and the package's), and the store's clock: a store record
     first seen after a prediction row it covers had started; a finished run that ran under a record the
     store does not hold (valid), saw only after the run started, or whose keys do not cover it."""
-    out, valid = [], {}
-    files = [(f, str(f), False) for f in R.shipped_files()]
+    out, valid, dated = [], {}, []
+    files = [(f, f"{R.REGISTERED}/{Path(str(f)).name}", False) for f in R.shipped_files()]
     files += [(p, str(p.relative_to(root)), True) for p in record_files(root)]
     for f, rel, in_store in files:
         report.records += 1
@@ -404,10 +412,16 @@ def _record_problems(root: Path, done: dict, clock: dict[str, float], report: Ve
             out.append(Problem(None, rel, f"calibration record refused: {e.why}"))
             continue
         valid.setdefault(rec["hash"], rec)
+        dated.append((rel, rec))
+        report.claims_changed += [f"{rel}: {name}: {line}" for name, lines in
+                                  changed_claims(rec.get("claims", [])).items() for line in lines]
         if in_store:
             early = rows_started_before(done.values(), rec, clock.get(rec["hash"]))
             if early:
                 out.append(Problem(None, rel, f"calibration record refused: {R.late_record_reason(early[0])}"))
+    first = first_rows(done.values())
+    for rel, why in R.age_problems({r["hash"]: first.get(r["hash"]) for _, r in dated}, dated):
+        out.append(Problem(None, rel, f"calibration record refused: {why}"))
     for rid, row in sorted(done.items()):
         h = row.get("record")
         if not h:  # '': trained under no record (exploratory, or not a prediction row); NULL: before the clock

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Iterable
 
 from ..config import RunConfig
-from ..records import (DIFFICULTY_PATHS, CalibrationMissing, RecordRefused, all_shipped_records, calibration_key,
-                       find_record, late_record_reason, needs_record, read_record, record_keys, shipped_files,
-                       verify_record)
+from ..records import (DIFFICULTY_PATHS, REGISTERED, CalibrationMissing, RecordRefused, age_problems,
+                       all_shipped_records, calibration_key, find_record, late_record_reason, needs_record, read_record,
+                       record_keys, shipped_files, verify_record)
 from .index import RunIndex
 
 __all__ = ["save_record", "record_files", "store_records", "usable_records", "covering_records", "verify_named",
-           "check_calibrated", "rows_started_before", "calibration_dir"]
+           "check_calibrated", "rows_started_before", "calibration_dir", "first_rows", "check_ages"]
 
 
 def calibration_dir(root: str | Path) -> Path:
@@ -168,12 +168,23 @@ def verify_named(source, hashes: Iterable[str | None]) -> dict[str, dict]:
             raise CalibrationMissing(f"calibration record {h}, named by a run, is held by neither the package nor "
                                      f"{str(where)!r}: its runs cannot count as calibrated")
         out[h] = held[h]
+    if out:  # each named record's age, against the first prediction row the source holds under it
+        if hasattr(source, "record_first_rows"):  # a results bundle: its manifest says (``bundle.py``)
+            known = source.record_first_rows(out)
+        else:
+            root = Path(getattr(source, "root", source))  # a store, a bundle being written, or a root
+            index = RunIndex(root, "reader", read_only=True) if (root / "index.sqlite").is_file() else None
+            known = first_rows(index.rows()) if index is not None else {}
+        own_files = [(f"{h}.json", r) for h, r in held.items() if r in own]
+        check_ages({h: known.get(h) for h in out}, own_files)
     return out
 
 
 def check_calibrated(cfgs, root: str | Path) -> dict[str, str]:
     """Run id -> record hash for every prediction row; raises ``CalibrationMissing`` for the first
-    one no record covers."""
+    one no record covers, and ``RecordRefused`` for a shipped record covering one that does not prove
+    its age (``check_ages``: in a git checkout, committed with its present content no later than the
+    first prediction row it covers, and no earlier than its ``registered_at``)."""
     rows = [c for c in cfgs if needs_record(c)]
     covered = covering_records(rows, root)
     for c in rows:
@@ -182,4 +193,33 @@ def check_calibrated(cfgs, root: str | Path) -> dict[str, str]:
                 f"run {c.run_id} ({c.task.name}, {c.path.name}) is a prediction row, and no calibration record "
                 f"the store saw before it started covers its task and initialisation; pre-register one with "
                 f"`softprior calibrate {c.task.name} --register`, or train it as exploratory (--exploratory)")
+    used = {h for h in covered.values() if h}
+    if used:
+        index = _index(root)
+        known = first_rows(index.rows()) if index is not None else {}
+        check_ages({h: known.get(h) for h in used})  # rows not yet in the store start now
     return covered
+
+
+def first_rows(rows: Iterable[dict]) -> dict[str, float]:
+    """Record hash -> the start time (``created``) of the first finished prediction row that ran under it,
+    from index rows (``RunIndex.rows``; runs from before the store's clock name none)."""
+    out: dict[str, float] = {}
+    for r in rows:
+        h = r.get("record")
+        if not h or r.get("status") != "done" or r.get("path") in DIFFICULTY_PATHS:
+            continue
+        cfg = _row_config(r)
+        if cfg is not None and needs_record(cfg):
+            out[h] = min(out.get(h, float("inf")), float(r.get("created") or 0.0))
+    return out
+
+
+def check_ages(first: dict[str, float | None], own: Iterable[tuple[str, dict]] = ()) -> None:
+    """``RecordRefused`` (one line naming the file) for the first record among the package's (and
+    ``own``: (file, record) pairs, a store's or a bundle's) whose age ``records.age_problems`` refuses,
+    for the hashes of ``first`` (hash -> its first prediction row's start, None: none yet)."""
+    shipped = [(f"{REGISTERED}/{Path(str(f)).name}", read_record(f)) for f in shipped_files()]
+    problems = age_problems(first, [*shipped, *own])
+    if problems:
+        raise RecordRefused(*problems[0])
