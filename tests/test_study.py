@@ -79,16 +79,19 @@ def test_a_plugin_prediction_row_is_refused_without_a_record(plugins, tmp_path):
     assert store.status(fade.run_id) is None  # refused before training
 
 
-def test_a_plugin_task_config_reaches_a_spawned_worker(plugins, monkeypatch):
-    """A worker unpickles a plugin task's config by loading the file the environment names."""
+def test_plugin_configs_reach_a_spawned_worker(plugins, monkeypatch):
+    """A worker unpickles a plugin task's config, and builds a plugin prior's model, by loading the
+    files the environment names (as the executors' spawned workers do)."""
     from softprior.config import make_run_config
-    cfg = make_run_config("second_occurrence", "unforced", 3, task_options={"vocab": 24})
-    code = ("import pickle, sys, torch; from softprior.tasks import make_task; c = pickle.load(sys.stdin.buffer); "
-            "b = make_task(c.task).sample(4, 32, torch.Generator().manual_seed(0)); print(c.run_id, bool(b.inputs.max() < 24))")
+    cfg = make_run_config("second_occurrence", "unforced", 3, task_options={"vocab": 24},
+                          model_options={"prior_family": "gaussian_window"})
+    code = ("import pickle, sys, torch; from softprior.tasks import make_task; from softprior.model import build_model; "
+            "c = pickle.load(sys.stdin.buffer); b = make_task(c.task).sample(4, 32, torch.Generator().manual_seed(0)); "
+            "m = build_model(c); print(c.run_id, bool(b.inputs.max() < 24), type(m.blocks[0].attn.prior_module).__name__)")
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(cfg), capture_output=True, timeout=300,
-                         env={**os.environ, ENV: str(SECOND)})
+                         env={**os.environ, ENV: os.pathsep.join([str(SECOND), str(GAUSS)])})
     assert out.returncode == 0, out.stderr.decode()[-2000:]
-    assert out.stdout.decode().split() == [cfg.run_id, "True"]
+    assert out.stdout.decode().split() == [cfg.run_id, "True", "GaussianWindow"]
 
 
 def test_default_criteria_and_claims_are_levels_of_the_span():
