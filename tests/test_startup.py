@@ -55,8 +55,14 @@ def test_tasks_lists_options_and_the_closed_form_ceiling():
         opts.get("repeat_target", "uniform") == "uniform" else 1.0
     line = next(x for x in r["out"].splitlines() if x.startswith("assoc_recall"))
     assert f"ceiling of the default {want:.3f}" in line and f"copying a random value: {1 / n:.3f}" in line
-    assert "keys='distinct' {distinct|replacement}" in line and "repeat_target=" in line
-    assert "answer='successor' {successor|recent}" in r["out"] and "format='interleaved' {interleaved|paired}" in r["out"]
+    # the registered value a run uses, the config default beside it where they differ
+    assert f"keys={opts.get('keys', 'distinct')!r}" in line and "{distinct|replacement}" in line
+    assert "repeat_target=" in line
+    for task, field, choices in (("markov", "answer", "{successor|recent}"), ("linear_icl", "format", "{interleaved|paired}")):
+        registered = rec.default_options(task)[0]
+        line = next(x for x in r["out"].splitlines() if x.startswith(task))
+        value = registered.get(field, choices[1:].split("|")[0])  # the registered value, else the config default
+        assert f"{field}={value!r}" in line and choices in line, (task, field, value)
 
 
 def test_import_softprior_is_light_and_its_api_whole():

@@ -66,8 +66,9 @@ def test_task_config_errors():
         task_config("markov", p=1.5)
     with pytest.raises(ValidationError):
         task_config("assoc_recall", n_pairs=20)  # needs 20 keys and 20 values in a vocab of 32
-    with pytest.raises(ValidationError):
+    with pytest.raises(UnknownTaskError) as ei:  # an unknown option names the task and its valid options
         task_config("assoc_recall", bogus=3)
+    assert "'bogus'" in str(ei.value) and "assoc_recall" in str(ei.value) and "n_pairs" in str(ei.value)
 
 
 def test_list_tasks():
