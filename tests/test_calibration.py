@@ -15,7 +15,8 @@ import pytest
 
 from softprior.calibration import CalibrationMissing, Criterion, Row, SpaceError, calibration_key, load_space
 from softprior.calibration.criteria import DIFFICULTY
-from softprior.calibration.record import check_calibrated, make_record, save_record
+from softprior.store.records import check_calibrated, save_record
+from softprior.calibration.record import make_record
 from softprior.calibration.search import promising
 from softprior.config import make_run_config
 from softprior.executors import execute
@@ -205,7 +206,7 @@ def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
 
     import softprior
     from softprior import load_results
-    from softprior.calibration.record import shipped_records
+    from softprior.records import shipped_records
     from softprior.runner import run
     store = RunStore(tmp_path / "s")
     s = run(make_run_config("assoc_recall", "fade600", 0, steps=4, eval_every=4, n_val=16), store)
@@ -219,7 +220,7 @@ def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
 
 
 def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
-    from softprior.calibration.record import shipped_records
+    from softprior.records import shipped_records
     from softprior.experiments import Cell
     from softprior.report import provenance_note
     from softprior.runner import run
@@ -308,13 +309,13 @@ def _rehash(rec: dict) -> str:
 
 def _one_line_refusal(err, file):
     """A refused record: ``RecordRefused`` (a ``CalibrationMissing``), one line naming the file."""
-    from softprior.calibration import record
-    assert type(err).__name__ == "RecordRefused" and isinstance(err, record.RecordRefused)
+    from softprior import records
+    assert type(err).__name__ == "RecordRefused" and isinstance(err, records.RecordRefused)
     assert str(file) in str(err) and len(str(err).splitlines()) == 1
 
 
 def test_shipped_records_verify_under_their_own_hash_scheme():
-    from softprior.calibration.record import all_shipped_records, record_hash
+    from softprior.records import all_shipped_records, record_hash
     recs = all_shipped_records()
     assert len(recs) == 9
     old = [r for r in recs if "hash_scheme" not in r]
@@ -353,7 +354,7 @@ def test_a_forged_record_is_refused_naming_the_file(tmp_path, capsys):
 
 
 def test_an_edited_record_is_refused_naming_the_file(tmp_path, monkeypatch):
-    from softprior.calibration import record as R
+    from softprior import records as R
     store = RunStore(tmp_path / "s")
     cfg = _fade_cfg()
     rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, [calibration_key(cfg)], {"x": 0.5}, True)
@@ -379,7 +380,7 @@ def test_an_edited_record_is_refused_naming_the_file(tmp_path, monkeypatch):
 
 
 def test_a_back_dated_record_added_after_its_rows_is_refused(tmp_path):
-    from softprior.calibration.record import covering_records
+    from softprior.store.records import covering_records
     store = RunStore(tmp_path / "s")
     cfg = _fade_cfg()
     execute([cfg], store, progress=False, require_calibration=False)  # exploratory: trained under no record
@@ -400,7 +401,7 @@ def test_a_back_dated_record_added_after_its_rows_is_refused(tmp_path):
 
 
 def test_a_row_is_covered_only_by_a_record_the_store_saw_before_it_started(tmp_path):
-    from softprior.calibration.record import covering_records
+    from softprior.store.records import covering_records
     store = RunStore(tmp_path / "s")
     cfg = _fade_cfg()
     assert store.claim(cfg)  # the row starts (a sweep claims it) ...
@@ -431,7 +432,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_shipped_records_precede_the_tables_computed_under_them():
-    from softprior.calibration.record import git_clock_problems
+    from softprior.records import git_clock_problems
     problems = git_clock_problems(REPO)
     if problems is None:
         pytest.skip("git or the repository's history is not available here")
@@ -462,7 +463,7 @@ def _history(tmp_path, steps):
 
 
 def test_git_clock_refuses_a_record_added_or_edited_after_its_tables(tmp_path):
-    from softprior.calibration.record import git_clock_problems, record_hash
+    from softprior.records import git_clock_problems, record_hash
     rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, ["k"], {}, True)
     reg = "src/softprior/calibration/registered/assoc_recall.json"
     table = "docs/results/paths/table.md"
@@ -493,7 +494,8 @@ def test_git_clock_refuses_a_record_added_or_edited_after_its_tables(tmp_path):
 
 
 def test_a_report_verifies_the_records_its_runs_name(tmp_path):
-    from softprior.calibration.record import shipped_records, verify_named
+    from softprior.records import shipped_records
+    from softprior.store.records import verify_named
     store = RunStore(tmp_path / "s")
     h = shipped_records()["assoc_recall"]["hash"]
     assert set(verify_named(store.root, [h, None, ""])) == {h}
@@ -511,7 +513,7 @@ def test_a_report_verifies_the_records_its_runs_name(tmp_path):
 
 def test_a_table_refuses_runs_whose_record_no_one_holds(tmp_path):
     """``report.provenance_note`` (every table's provenance line) verifies the records its runs name."""
-    from softprior.calibration.record import shipped_records
+    from softprior.records import shipped_records
     from softprior.cells import Cell
     from softprior.report import provenance_note
 

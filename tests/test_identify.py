@@ -13,7 +13,9 @@ import pytest
 
 from softprior.calibration import Criterion, Row, calibration_key, load_space
 from softprior.calibration.identify import MIN_SET, hard_ok, identified, matched_rows
-from softprior.calibration.record import RecordRefused, check_calibrated, make_record, verify_record
+from softprior.records import RecordRefused, verify_record
+from softprior.store.records import check_calibrated
+from softprior.calibration.record import make_record
 from softprior.calibration.search import Candidate
 from softprior.config import make_run_config
 from softprior.tiers import IDENTIFICATION, ROWS, SE_FLOOR, TRAJECTORY, PaperRow, tiers_spec

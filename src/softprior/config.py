@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from .model_config import ModelConfig, model_preset
 from .paths import PathConfig, get_path
-from .records import LATER_DEFAULTS, default_options
+from .records import LATER_DEFAULTS, default_options, without_later_defaults
 from .task_configs import task_config, task_spec, validate_task_config
 
 __all__ = ["RunConfig", "make_run_config", "config_hash", "validation_message", "NON_SEMANTIC_FIELDS"]
@@ -100,9 +100,7 @@ class RunConfig(BaseModel):
         """The hashed content: every field that changes the numbers (not labels or descriptions)."""
         d = self.model_dump(mode="json", exclude=NON_SEMANTIC_FIELDS)
         for part, defaults in LATER_DEFAULTS.items():
-            for k, default in defaults.items():
-                if k in d[part] and (d[part][k] in default if isinstance(default, tuple) else d[part][k] == default):
-                    del d[part][k]
+            d[part] = without_later_defaults(d[part], defaults)
         p = d["path"]
         while p is not None:  # a path's help text is not part of its identity
             p.pop("description", None)

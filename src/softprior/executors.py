@@ -798,7 +798,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     too and a job retried after its node died resumes instead of starting over (a local Ray always
     checkpoints; a node that turns out not to see the store trains without checkpoints, ``_ray_work``).
     ``require_calibration``: refuse (``CalibrationMissing``) before training anything when a
-    prediction row to be trained has no pre-registered calibration record (calibration/record.py)."""
+    prediction row to be trained has no pre-registered calibration record (``store.records.check_calibrated``)."""
     t0, started = time.perf_counter(), time.time()
     if executor not in ("local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; allowed: local, ray")
@@ -817,75 +817,17 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
               [c for c in cfgs if c.parent() is not None]]
     if checkpoint_seconds is None:
         checkpoint_seconds = _env_seconds("SOFTPRIOR_CHECKPOINT_SECONDS", SWEEP_CHECKPOINT_SECONDS)
-    ck = str(Path(store.root).resolve())  # a Ray worker's working directory is not the driver's
     # the bar counts every run this sweep may train (parents included); runs it does not train leave it
     sweep = _Progress([c for ph in phases for c in ph if not store.is_done(c.run_id)]) if progress and sweep_bar else None
-    if executor == "ray":  # a remote cluster may not see the store's files: no checkpoints there unless shared
-        if shared_store is None:
-            shared_store = _env_flag("SOFTPRIOR_SHARED_STORE")
-        backend = _Ray(address, workers, ck if address is None or shared_store else None, checkpoint_seconds,
-                       progress=sweep is not None)
-    elif workers > 1:
-        backend = _Pool(workers, ck, checkpoint_seconds, progress=sweep is not None)
-    else:
-        backend = _Serial(ck, checkpoint_seconds, progress, sweep)
+    backend = _backend(store, executor, workers, address, shared_store, checkpoint_seconds, progress, sweep)
     failed_ids: set[str] = set()
     ledger = _Ledger(store, ("ray" if executor == "ray" else "pool" if workers > 1 else "serial"), workers, gemm)
     collect = functools.partial(_collect, backend, store, report, failed_ids, sweep, on_result, ledger)
     try:
         for phase in phases:
-            if sweep is not None:  # finished meanwhile by another process
-                sweep.drop([c for c in phase if store.is_done(c.run_id)])
-            todo = [c for c in phase if not store.is_done(c.run_id)]
-            waiting: list[RunConfig] = []
-            mine: list[RunConfig] = []
-            for c in todo:
-                parent = c.parent()
-                if parent is not None and (parent.run_id in failed_ids or not store.is_done(parent.run_id)):
-                    failed_ids.add(c.run_id)
-                    store.record_failure(c, f"parent run {parent.run_id} is not available")
-                    report.failed.append((c.run_id, f"parent run {parent.run_id} is not available"))
-                    continue
-                (mine if store.claim(c) else waiting).append(c)
-            mine_ids = {c.run_id for c in mine}
-            if sweep is not None:  # another process trains these (or their parent failed)
-                sweep.drop([c for c in todo if c.run_id not in mine_ids])
-            kept: list[list[str]] = []
-            for c in mine:
-                g = store.files.checkpointed_group(c.run_id)
-                if g and set(g) <= mine_ids and not any(set(g) & set(k) for k in kept):
-                    kept.append(g)
-            for job in _jobs(mine, group_size, kept):
-                inits = None
-                if any(c.parent() is not None for c in job):
-                    inits = [store.load_state(c.parent().run_id) if c.parent() is not None else None for c in job]
-                _submit(backend, sweep, job, inits)
-                while isinstance(backend, _Serial) and backend.busy():
-                    collect()
-            while backend.busy():
-                collect()
-            # runs claimed by another live process: wait until that process finishes or dies
-            while waiting and wait_for_others:
-                still = []
-                for c in waiting:
-                    st = store.status(c.run_id)
-                    if st == "done":
-                        continue
-                    if st == "failed":
-                        report.failed.append((c.run_id, "failed in another process"))
-                        failed_ids.add(c.run_id)
-                        continue
-                    if store.claim(c):  # its owner died: take it over
-                        if sweep is not None:
-                            sweep.add([c])
-                        _submit(backend, sweep, [c], [store.load_state(c.parent().run_id)] if c.parent() else None)
-                        while backend.busy():
-                            collect()
-                        continue
-                    still.append(c)
-                waiting = still
-                if waiting:
-                    _sleep(poll_seconds, sweep)
+            waiting = _run_phase(phase, store, backend, sweep, report, failed_ids, collect, group_size)
+            if wait_for_others:  # runs claimed by another live process: wait until that process finishes or dies
+                _wait_for_others(waiting, store, backend, sweep, report, failed_ids, collect, poll_seconds)
     except KeyboardInterrupt:
         for c in cfgs:
             store.release(c.run_id)
@@ -902,6 +844,85 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
                              "failed": len(report.failed), "jobs": ledger.jobs,
                              "group_size": group_size if isinstance(group_size, (int, str)) else dict(group_size)})
     return report
+
+
+def _backend(store: RunStore, executor: str, workers: int, address: str | None, shared_store: bool | None,
+             checkpoint_seconds: float, progress: bool, sweep: "_Progress | None"):
+    """The backend ``execute`` hands its jobs to (module docstring), checkpointing under the store's root."""
+    ck = str(Path(store.root).resolve())  # a Ray worker's working directory is not the driver's
+    if executor == "ray":  # a remote cluster may not see the store's files: no checkpoints there unless shared
+        if shared_store is None:
+            shared_store = _env_flag("SOFTPRIOR_SHARED_STORE")
+        return _Ray(address, workers, ck if address is None or shared_store else None, checkpoint_seconds,
+                    progress=sweep is not None)
+    if workers > 1:
+        return _Pool(workers, ck, checkpoint_seconds, progress=sweep is not None)
+    return _Serial(ck, checkpoint_seconds, progress, sweep)
+
+
+def _run_phase(phase: list[RunConfig], store: RunStore, backend, sweep: "_Progress | None", report: SweepReport,
+               failed_ids: set[str], collect: Callable, group_size) -> list[RunConfig]:
+    """Train one phase of ``execute`` (parents, then plain runs, then derived runs): claim each run not done
+    (a derived run whose parent is not available fails), keep checkpointed groups together, submit the
+    jobs and collect them. Returns the runs another live process has claimed."""
+    if sweep is not None:  # finished meanwhile by another process
+        sweep.drop([c for c in phase if store.is_done(c.run_id)])
+    todo = [c for c in phase if not store.is_done(c.run_id)]
+    waiting: list[RunConfig] = []
+    mine: list[RunConfig] = []
+    for c in todo:
+        parent = c.parent()
+        if parent is not None and (parent.run_id in failed_ids or not store.is_done(parent.run_id)):
+            failed_ids.add(c.run_id)
+            store.record_failure(c, f"parent run {parent.run_id} is not available")
+            report.failed.append((c.run_id, f"parent run {parent.run_id} is not available"))
+            continue
+        (mine if store.claim(c) else waiting).append(c)
+    mine_ids = {c.run_id for c in mine}
+    if sweep is not None:  # another process trains these (or their parent failed)
+        sweep.drop([c for c in todo if c.run_id not in mine_ids])
+    kept: list[list[str]] = []
+    for c in mine:
+        g = store.files.checkpointed_group(c.run_id)
+        if g and set(g) <= mine_ids and not any(set(g) & set(k) for k in kept):
+            kept.append(g)
+    for job in _jobs(mine, group_size, kept):
+        inits = None
+        if any(c.parent() is not None for c in job):
+            inits = [store.load_state(c.parent().run_id) if c.parent() is not None else None for c in job]
+        _submit(backend, sweep, job, inits)
+        while isinstance(backend, _Serial) and backend.busy():
+            collect()
+    while backend.busy():
+        collect()
+    return waiting
+
+
+def _wait_for_others(waiting: list[RunConfig], store: RunStore, backend, sweep: "_Progress | None",
+                     report: SweepReport, failed_ids: set[str], collect: Callable, poll_seconds: float) -> None:
+    """Wait until every run of ``waiting`` (claimed by another live process) is done or failed there,
+    polling every ``poll_seconds``; a run whose owner died is taken over and trained here."""
+    while waiting:
+        still = []
+        for c in waiting:
+            st = store.status(c.run_id)
+            if st == "done":
+                continue
+            if st == "failed":
+                report.failed.append((c.run_id, "failed in another process"))
+                failed_ids.add(c.run_id)
+                continue
+            if store.claim(c):  # its owner died: take it over
+                if sweep is not None:
+                    sweep.add([c])
+                _submit(backend, sweep, [c], [store.load_state(c.parent().run_id)] if c.parent() else None)
+                while backend.busy():
+                    collect()
+                continue
+            still.append(c)
+        waiting = still
+        if waiting:
+            _sleep(poll_seconds, sweep)
 
 
 def _ledger_gemm_rate() -> float | None:

@@ -62,7 +62,7 @@ from typing import Iterable
 __all__ = ["calibration_key", "shipped_records", "all_shipped_records", "find_record", "CalibrationMissing",
            "RecordRefused", "DIFFICULTY_PATHS", "LATER_DEFAULTS", "default_options", "record_hash", "verify_record",
            "read_record", "shipped_files", "late_record_reason", "needs_record", "record_keys", "git_clock_problems",
-           "HASH_SCHEME", "first_commits", "age_problems", "package_repo", "registered_time", "REGISTERED"]
+           "HASH_SCHEME", "without_later_defaults", "first_commits", "age_problems", "package_repo", "registered_time", "REGISTERED"]
 
 # identification rows' paths (tiers.py): a constant or learned gate, or no prior; they need no record
 DIFFICULTY_PATHS = {"unforced", "forced_zero", "forced_const0.5", "soft_pos_only", "soft_content_only"}
@@ -84,6 +84,14 @@ LATER_DEFAULTS = {
              "answer": "successor", "format": "interleaved", "w_scale": "unit", "noise": 0.0},
     "model": {"prior_cap": 8.0, "pos_beyond": "clip", "prior_family": "soft"},
 }
+
+
+def without_later_defaults(options: dict, defaults: dict) -> dict:
+    """``options`` less the entries at their later default (``defaults``: one part of ``LATER_DEFAULTS``;
+    a tuple there lists every value that counts as the default): what a run id (``config.RunConfig.canonical``)
+    and a calibration key (``calibration_key``) hash, so neither moves when an option is added."""
+    return {k: v for k, v in options.items()
+            if not (k in defaults and (v in defaults[k] if isinstance(defaults[k], tuple) else v == defaults[k]))}
 
 
 class CalibrationMissing(RuntimeError):
@@ -120,11 +128,7 @@ def _key_form(key) -> str:
     """A calibration key (a dict or its JSON) without the later options at their defaults."""
     d = json.loads(key) if isinstance(key, str) else key
     for part, defaults in (("task", LATER_DEFAULTS["task"]), ("init", LATER_DEFAULTS["model"])):
-        sub = dict(d.get(part, {}))
-        for k, default in defaults.items():
-            if k in sub and (sub[k] in default if isinstance(default, tuple) else sub[k] == default):
-                del sub[k]
-        d = {**d, part: sub}
+        d = {**d, part: without_later_defaults(d.get(part, {}), defaults)}
     return _canon(d)
 
 

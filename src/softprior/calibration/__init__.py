@@ -10,7 +10,8 @@ difficulty rows alone, pre-registered, then a robustness map of the paper's clai
 """
 
 from .criteria import DIFFICULTY, Criterion, Row, criteria_for, difficulty_rows
-from .record import CalibrationMissing, calibration_key, check_calibrated, shipped_records
+from ..records import CalibrationMissing, calibration_key, shipped_records
+from ..store.records import check_calibrated
 from .space import SearchSpace, SpaceError, load_space, shipped_spaces
 
 __all__ = ["DIFFICULTY", "Criterion", "Row", "criteria_for", "difficulty_rows",

@@ -7,7 +7,8 @@ import math
 from importlib import resources
 from pathlib import Path
 
-from .record import CalibrationMissing, calibration_key, make_record
+from ..records import CalibrationMissing, calibration_key
+from .record import make_record
 from .report import candidates_table, choose, criteria_text, formation_by_axis
 from .robustness import claim_counts, mapped, prediction_rows
 from .search import candidate_configs

@@ -1,11 +1,9 @@
 """Pre-registration: a calibration record fixes the task design and initialisation *before* any
 prediction row of that configuration is trained (docs/DESIGN.md, "Calibration").
 
-``make_record`` writes a record of the calibration search's choice. The rest lives below the layers
-that read it, and is re-exported here for compatibility: what a record is, its hash, its
-verification and the shipped records in ``softprior.records`` (read by ``config`` for a task's
-defaults), the store's records and its clock in ``softprior.store.records`` (read by the store on
-every saved run and by ``store verify``).
+``make_record`` writes a record of the calibration search's choice. What a record is, its hash, its
+verification, its age and the shipped records live in ``softprior.records`` (read by ``config`` for a
+task's defaults); the store's records and its clock in ``softprior.store.records``.
 """
 
 from __future__ import annotations
@@ -13,19 +11,9 @@ from __future__ import annotations
 import json
 import time
 
-from ..records import (DIFFICULTY_PATHS, HASH_SCHEME, CalibrationMissing, RecordRefused, all_shipped_records,
-                       calibration_key, default_options, find_record, git_clock_problems, late_record_reason,
-                       needs_record, read_record, record_hash, record_keys, shipped_files, shipped_records,
-                       verify_record)
-from ..store.records import (check_calibrated, covering_records, record_files, rows_started_before, save_record,
-                             store_records, usable_records, verify_named)
+from ..records import HASH_SCHEME, record_hash
 
-__all__ = ["covering_records", "calibration_key", "make_record", "save_record", "store_records", "shipped_records",
-           "find_record", "check_calibrated", "CalibrationMissing", "RecordRefused", "DIFFICULTY_PATHS",
-           "default_options", "record_hash", "verify_record", "read_record", "usable_records", "rows_started_before",
-           "record_files", "shipped_files", "late_record_reason", "needs_record", "record_keys", "verify_named",
-           "git_clock_problems", "all_shipped_records",
-           "HASH_SCHEME"]
+__all__ = ["make_record"]
 
 
 def make_record(space, task_options: dict, model_options: dict, keys: list[str], measured: dict,
