@@ -76,7 +76,7 @@ def _cand(space, cid: int, values: dict[str, float], hard: bool, distance: float
     vals = {f"{c.row.key}|{c.gates}": [values.get(c.name, c.target if c.target is not None else 0.5)]
             for c in crit}
     checks = {c.name: (hard if c.scale is None else True) for c in crit}
-    return Candidate(cid, {"id": str(cid)}, {}, {}, "fails", distance, 3, {}, vals, checks)
+    return Candidate(cid, {"model.id": json.dumps(cid)}, {}, {}, "fails", distance, 3, {}, vals, checks)
 
 
 def test_the_identified_set_ranks_hard_constraints_then_matched_rows_then_distance():
@@ -168,3 +168,15 @@ def test_length_variants_read_one_run_three_ways(tmp_path):
     assert got["pairs fill"][1] == pytest.approx((1 - 0.9 ** 21) * 10 / 21)
     assert got["clip"][1] == got["no bias beyond"][1] == pytest.approx((1 - 0.9 ** 6) * 10 / 6)
     assert all(0.0 <= acc <= 1.0 for acc, _ in got.values())
+
+
+def test_rows_that_no_candidate_matches_together_are_named_as_a_conflict():
+    from softprior.calibration.identify import conflicts, identification_block
+    space = load_space("assoc_recall_identify")
+    learns = _cand(space, 1, {"forced_const0.5 base normal": 0.78}, True, 1.0)  # the constant gate learns too
+    blocked = _cand(space, 2, {"unforced base normal": 0.16}, True, 1.0)  # the learned gate is blocked too
+    got = {(a, b): (na, nb, both) for a, b, na, nb, both in conflicts(space, [learns, blocked])}
+    assert got[("unforced base normal", "forced_const0.5 base normal")] == (1, 1, 0)
+    assert got[("unforced base zero", "forced_zero base zero")] == (2, 2, 2)
+    block = identification_block(space, [learns, blocked])
+    assert "- unforced base normal (1 candidates) and forced_const0.5 base normal (1)" in block

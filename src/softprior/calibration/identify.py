@@ -108,6 +108,11 @@ def identification_block(space, cands, top: int = 30) -> str:
         lines.append(f"| {c.cid}{'*' if c.cid in ids else ''} | {c.n_seeds} | {'held' if hard_ok(space, c) else 'broken'} "
                      f"| {sum(bool(x) for x in m.values())}/{len(names)} | {c.distance:.1f} | " + " | ".join(cells)
                      + f" | {c.label} |")
+    clash = [(a, b, na, nb) for a, b, na, nb, both in conflicts(space, cands) if na and nb and not both]
+    if clash:
+        lines += ["", "Rows in conflict within the searched family: each matched by some candidates that hold the "
+                  "hard constraints, never both by one:", ""]
+        lines += [f"- {a} ({na} candidates) and {b} ({nb})" for a, b, na, nb in clash]
     return "\n".join(lines)
 
 
@@ -128,10 +133,6 @@ def conflicts(space, cands) -> list[tuple[str, str, int, int, int]]:
     return out
 
 
-def options_json(c) -> str:
-    return json.dumps({**c.task_options, **{k: list(v) if isinstance(v, tuple) else v
-                                             for k, v in c.model_options.items()}}, sort_keys=True)
-
 
 def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **execute_kw) -> list:
     """Measure the best candidates (ranked on the seeds the search measured them on: three, or one if it
@@ -140,7 +141,7 @@ def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **
     put near the top but five do not (a rare failure three cannot see) drops out, and the next is
     measured. Resumable: the measurements are kept beside the study."""
     from ..executors import execute
-    from .search import candidate_configs, measure
+    from .search import candidate_configs, keep_measurements
     seeds = list(range(REGISTER_SEEDS))
     f = completed_file(space, store)
     while True:
@@ -154,12 +155,7 @@ def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **
         cfgs = [cfg for c in todo for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, seeds,
                                                                     steps=steps)]
         execute(cfgs, store, require_calibration=False, **execute_kw)
-        done = json.loads(f.read_text()) if f.exists() else {}
-        for c in todo:
-            res, means, values, form = measure(space, store, c.task_options, c.model_options, seeds, steps=steps)
-            done[c.cid] = {"distance": space.distance(res, means), "passes": all(r.ok for r in res), "means": means,
-                           "values": values, "formation": form, "checks": {r.name: r.ok for r in res}}
-        store.write_calibration_file(f.name, json.dumps(done, indent=1, sort_keys=True))
+        keep_measurements(space, store, f, todo, seeds, steps)
 
 
 def identified_at(space, cands, k: int = MIN_SET) -> list:

@@ -314,14 +314,20 @@ def complete_nearest(space: SearchSpace, store, cands: list[Candidate], k: int =
     if cfgs:
         execute(cfgs, store, executor=executor, workers=workers, group_size=group_size, address=address,
                 progress=progress, sweep_bar=progress, require_calibration=False)
-    f = _nearest_file(space, store)
+    keep_measurements(space, store, _nearest_file(space, store), todo, full, steps)
+    return load_candidates(space, store)
+
+
+def keep_measurements(space: SearchSpace, store, f, cands, seeds, steps: int | None = None) -> None:
+    """Measure ``cands`` on ``seeds`` from the stored runs and keep the results beside the study, in
+    ``f`` (a JSON object by candidate id, merged with what it holds), where ``load_candidates`` reads
+    them back."""
     done = json.loads(f.read_text()) if f.exists() else {}
-    for c in todo:
-        res, means, values, form = measure(space, store, c.task_options, c.model_options, full, steps=steps)
+    for c in cands:
+        res, means, values, form = measure(space, store, c.task_options, c.model_options, seeds, steps=steps)
         done[c.cid] = {"distance": space.distance(res, means), "passes": all(r.ok for r in res), "means": means,
                        "values": values, "formation": form, "checks": {r.name: r.ok for r in res}}
     store.write_calibration_file(f.name, json.dumps(done, indent=1, sort_keys=True))
-    return load_candidates(space, store)
 
 
 def load_candidates(space: SearchSpace, store) -> list[Candidate]:
