@@ -180,3 +180,15 @@ def test_rows_that_no_candidate_matches_together_are_named_as_a_conflict():
     assert got[("unforced base zero", "forced_zero base zero")] == (2, 2, 2)
     block = identification_block(space, [learns, blocked])
     assert "- unforced base normal (1 candidates) and forced_const0.5 base normal (1)" in block
+
+
+def test_an_identification_candidate_goes_on_to_all_seeds_when_its_hard_constraints_hold():
+    from softprior.calibration.search import promote
+    space = load_space("assoc_recall_identify")
+    crit = space.criteria()
+    far = {c.name: (c.target + 10 * c.scale if c.scale else None) for c in crit}  # every row far off
+    res = [c.check([far[c.name]]) if c.scale else c.check([0.78 if "normal" in c.name else 0.1]) for c in crit]
+    assert all(r.ok for c, r in zip(crit, res) if c.scale is None) and not any(r.ok for c, r in zip(crit, res) if c.scale)
+    assert promote(space, crit, res, {})  # the rows may conflict: only the constraints decide
+    broken = [c.check([0.5]) if c.scale is None and "unforced normal" in c.name else r for c, r in zip(crit, res)]
+    assert not promote(space, crit, broken, {})

@@ -110,17 +110,17 @@ def identification_block(space, cands, top: int = 30) -> str:
                      + f" | {c.label} |")
     clash = [(a, b, na, nb) for a, b, na, nb, both in conflicts(space, cands) if na and nb and not both]
     if clash:
-        lines += ["", "Rows in conflict within the searched family: each matched by some candidates that hold the "
-                  "hard constraints, never both by one:", ""]
+        lines += ["", "Rows in conflict within the searched family so far: each matched by some measured "
+                  "candidates, never both by one:", ""]
         lines += [f"- {a} ({na} candidates) and {b} ({nb})" for a, b, na, nb in clash]
     return "\n".join(lines)
 
 
 def conflicts(space, cands) -> list[tuple[str, str, int, int, int]]:
     """Pairs of rows that the measured candidates rarely match together: (row a, row b, matched a,
-    matched b, matched both), over candidates that hold the hard constraints. Two rows each matched by
-    some candidates but never together are in conflict within the searched family."""
-    ok = [c for c in cands if c.status in ("passes", "fails", "pruned") and hard_ok(space, c)]
+    matched b, matched both), over every measured candidate. Two rows each matched by some candidates
+    but never together are in conflict within the searched family."""
+    ok = [c for c in cands if c.status in ("passes", "fails", "pruned")]
     ms = [matched_rows(space, c) for c in ok]
     names = [c.name for c in _crit(space)]
     out = []
@@ -210,10 +210,15 @@ def length_block(space, store, cands, seeds: int = 3) -> str:
     """The identified set's unforced runs at T = 120 under each length reading, beside the paper's .263."""
     from .search import candidate_configs
     from .criteria import Row
-    lines = ["The identified set's unforced runs at T = 120, read three ways (the same weights; the paper: "
-             "soft_bias .263). Accuracy, mean over seeds, and the task's Bayes ceiling at that length.", "",
-             "| id | " + " | ".join(LENGTH_VARIANTS) + " |", "|---|" + "---|" * len(LENGTH_VARIANTS)]
-    for c in identified_set(space, cands):
+    members = identified_set(space, cands)
+    which = "The identified set's"
+    if not members:  # before any candidate is measured on every seed: the best ranked so far, on their seeds
+        members = sorted([c for c in cands if c.status in ("passes", "fails", "pruned")], key=lambda c: _rank(space, c))
+        members, which = members[:MIN_SET], f"No identified set yet; the {min(MIN_SET, len(members))} best ranked so far:"
+    lines = [f"{which} unforced runs at T = 120, read three ways (the same weights; the paper: "
+             "soft_bias .263). Accuracy, mean over the seeds measured, and the task's Bayes ceiling at that length.",
+             "", "| id | " + " | ".join(LENGTH_VARIANTS) + " |", "|---|" + "---|" * len(LENGTH_VARIANTS)]
+    for c in members:
         got = []
         for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, range(seeds),
                                            rows=[Row(path="unforced")]):

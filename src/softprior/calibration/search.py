@@ -143,6 +143,17 @@ def read_value(store, cfg, read: str) -> float:
     return evaluate_cell(store, Cell(cfg, row=cfg.path.name), Eval(read, gates, length))
 
 
+def promote(space: SearchSpace, crit: list[Criterion], res, means: dict) -> bool:
+    """Whether a candidate measured on its first seeds goes on to all of them: the declared rule
+    (``promising``) on a difficulty space; on an identification space the hard constraints alone (its
+    rows may conflict, so no candidate need come near every one: ranking them is the identified set's
+    job); on an effect space the constraints and a first-seed effect of at least ``EFFECT_PROMOTE``."""
+    if space.identify:
+        hard = [(c, r) for c, r in zip(crit, res) if c.scale is None]
+        return promising([c for c, _ in hard], [r for _, r in hard])
+    return promising(crit, res) and (not space.effect or trajectory_effect(means) >= EFFECT_PROMOTE)
+
+
 def promising(crit: list[Criterion], results) -> bool:
     """The declared promotion rule (module docstring)."""
     for c, r in zip(crit, results):
@@ -257,8 +268,7 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
         for tr, t_opts, m_opts in trials:
             res, means, values, form = measure(space, store, t_opts, m_opts, first, steps=steps)
             dist = space.distance(res, means)
-            tr.set_user_attr("promote", promising(crit, res) and (not space.effect
-                                                                   or trajectory_effect(means) >= EFFECT_PROMOTE))
+            tr.set_user_attr("promote", promote(space, crit, res, means))
             tr.report(dist, step=len(first))
             if space.seeds == space.first_seeds:
                 _finish(tr, res, means, values, form, len(first))
