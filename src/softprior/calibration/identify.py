@@ -36,13 +36,17 @@ def row_values(space, cand) -> dict[str, list[float]]:
     return {c.name: cand.values.get(f"{c.row.key}|{c.gates}", []) for c in _crit(space)}
 
 
+def _checks(space, cand) -> dict:
+    """Per identification row: its criterion's result on the candidate's values (``Criterion.check``:
+    ok when the mean lies within MATCH_Z units of the row's scale, gap the distance in those units), or
+    None if not measured."""
+    vals = row_values(space, cand)
+    return {c.name: c.check(vals[c.name]) if vals[c.name] else None for c in _crit(space)}
+
+
 def matched_rows(space, cand) -> dict[str, bool | None]:
     """Per identification row: matched (mean within MATCH_Z of its scale), or None if not measured."""
-    out = {}
-    for c in _crit(space):
-        v = cand.values.get(f"{c.row.key}|{c.gates}")
-        out[c.name] = None if not v else abs(sum(v) / len(v) - c.target) <= MATCH_Z * c.scale
-    return out
+    return {n: None if r is None else r.ok for n, r in _checks(space, cand).items()}
 
 
 def hard_ok(space, cand) -> bool:
@@ -133,7 +137,6 @@ def conflicts(space, cands) -> list[tuple[str, str, int, int, int]]:
     return out
 
 
-
 def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **execute_kw) -> list:
     """Measure the best candidates (ranked on the seeds the search measured them on: three, or one if it
     pruned them) on ``REGISTER_SEEDS`` seeds until ``k``
@@ -166,12 +169,9 @@ def identified_at(space, cands, k: int = MIN_SET) -> list:
 def member_entry(space, c) -> dict:
     """What a record keeps of one member of the identified set: its options, per row its per-seed values,
     mean, z and whether it matched, and whether the hard constraints held."""
-    rows = {}
-    for cr in _crit(space):
-        v = c.values.get(f"{cr.row.key}|{cr.gates}", [])
-        mean = sum(v) / len(v) if v else None
-        rows[cr.name] = {"values": v, "mean": mean, "z": None if mean is None else abs(mean - cr.target) / cr.scale,
-                         "matched": matched_rows(space, c)[cr.name]}
+    vals = row_values(space, c)
+    rows = {n: {"values": vals[n], "mean": None if r is None else r.mean, "z": None if r is None else r.gap,
+                "matched": None if r is None else r.ok} for n, r in _checks(space, c).items()}
     return {"cid": c.cid, "task_options": c.task_options,
             "model_options": {k: list(v) if isinstance(v, tuple) else v for k, v in c.model_options.items()},
             "hard_constraints": hard_ok(space, c), "distance": c.distance, "rows": rows}

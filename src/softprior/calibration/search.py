@@ -378,15 +378,7 @@ def load_candidates(space: SearchSpace, store) -> list[Candidate]:
         out.append(Candidate(t.number, dict(t.params), t_opts, m_opts, status, dist, a.get("n_seeds", 0),
                              a.get("means", {}), a.get("values", {}), a.get("checks", {}), a.get("formation", []),
                              why))
-    f = _nearest_file(space, store)
-    if f.exists():  # measured on every seed after the search (``complete_nearest``)
-        extra = json.loads(f.read_text())
-        for c in out:
-            e = extra.get(c.cid)
-            if e is not None:
-                c.status = "passes" if e["passes"] else "fails"
-                c.distance, c.means, c.values = e["distance"], e["means"], e["values"]
-                c.formation, c.checks, c.n_seeds = e["formation"], e["checks"], space.seeds
+    _apply_kept(_nearest_file(space, store), out, space.seeds)  # measured on every seed (``complete_nearest``)
     if space.identify:  # measured on five seeds before registration (``identify.complete``)
         out = with_completed(space, store, out)
     return out
@@ -403,13 +395,18 @@ def completed_file(space, store):
 def with_completed(space, store, cands) -> list:
     """``cands`` with the five-seed measurements of ``complete`` where they exist (status, values,
     distance and checks as measured on ``REGISTER_SEEDS`` seeds)."""
-    f = completed_file(space, store)
+    return _apply_kept(completed_file(space, store), cands, REGISTER_SEEDS)
+
+
+def _apply_kept(f, cands, n_seeds: int) -> list:
+    """``cands`` with the measurements ``keep_measurements`` kept in ``f`` (on ``n_seeds`` seeds) where
+    it holds one for a candidate: status, distance, values, formation and checks as measured there."""
     done = json.loads(f.read_text()) if f.exists() else {}
     for c in cands:
         e = done.get(c.cid)
         if e is not None:
             c.status = "passes" if e["passes"] else "fails"
             c.distance, c.means, c.values = e["distance"], e["means"], e["values"]
-            c.formation, c.checks, c.n_seeds = e["formation"], e["checks"], REGISTER_SEEDS
+            c.formation, c.checks, c.n_seeds = e["formation"], e["checks"], n_seeds
     return cands
 
