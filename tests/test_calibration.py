@@ -15,8 +15,8 @@ import pytest
 
 from softprior.calibration import CalibrationMissing, Criterion, Row, SpaceError, calibration_key, load_space
 from softprior.calibration.criteria import DIFFICULTY
-from softprior.store.records import check_calibrated, save_record
-from softprior.calibration.record import make_record
+from softprior.store.record_clock import check_calibrated, save_record
+from softprior.calibration.register import make_record
 from softprior.calibration.search import promising
 from softprior.config import make_run_config
 from softprior.executors import execute
@@ -206,7 +206,7 @@ def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
 
     import softprior
     from softprior import load_results
-    from softprior.records import shipped_records
+    from softprior.preregistration import shipped_records
     from softprior.runner import run
     store = RunStore(tmp_path / "s")
     s = run(make_run_config("assoc_recall", "fade600", 0, steps=4, eval_every=4, n_val=16), store)
@@ -220,7 +220,7 @@ def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
 
 
 def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
-    from softprior.records import shipped_records
+    from softprior.preregistration import shipped_records
     from softprior.experiments import Cell
     from softprior.report import provenance_note
     from softprior.runner import run
@@ -309,13 +309,13 @@ def _rehash(rec: dict) -> str:
 
 def _one_line_refusal(err, file):
     """A refused record: ``RecordRefused`` (a ``CalibrationMissing``), one line naming the file."""
-    from softprior import records
-    assert type(err).__name__ == "RecordRefused" and isinstance(err, records.RecordRefused)
+    from softprior import preregistration
+    assert type(err).__name__ == "RecordRefused" and isinstance(err, preregistration.RecordRefused)
     assert str(file) in str(err) and len(str(err).splitlines()) == 1
 
 
 def test_shipped_records_verify_under_their_own_hash_scheme():
-    from softprior.records import all_shipped_records, record_hash
+    from softprior.preregistration import all_shipped_records, record_hash
     recs = all_shipped_records()
     assert len(recs) == 9
     old = [r for r in recs if "hash_scheme" not in r]
@@ -354,7 +354,7 @@ def test_a_forged_record_is_refused_naming_the_file(tmp_path, capsys):
 
 
 def test_an_edited_record_is_refused_naming_the_file(tmp_path, monkeypatch):
-    from softprior import records as R
+    from softprior import preregistration as R
     store = RunStore(tmp_path / "s")
     cfg = _fade_cfg()
     rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, [calibration_key(cfg)], {"x": 0.5}, True)
@@ -372,15 +372,15 @@ def test_an_edited_record_is_refused_naming_the_file(tmp_path, monkeypatch):
         (ship / Path(str(f)).name).write_text(f.read_text())
     shipped = json.loads((ship / "assoc_recall.json").read_text())
     _write(ship / "assoc_recall.json", {**shipped, "task_options": {**shipped["task_options"], "n_pairs": 8}})
-    import softprior.records
-    monkeypatch.setattr(softprior.records, "_shipped_files", lambda: sorted(ship.glob("*.json")))
+    import softprior.preregistration
+    monkeypatch.setattr(softprior.preregistration, "_shipped_files", lambda: sorted(ship.glob("*.json")))
     with pytest.raises(CalibrationMissing) as e:
         make_run_config("assoc_recall", "fade600")
     _one_line_refusal(e.value, ship / "assoc_recall.json")
 
 
 def test_a_back_dated_record_added_after_its_rows_is_refused(tmp_path):
-    from softprior.store.records import covering_records
+    from softprior.store.record_clock import covering_records
     store = RunStore(tmp_path / "s")
     cfg = _fade_cfg()
     execute([cfg], store, progress=False, require_calibration=False)  # exploratory: trained under no record
@@ -401,7 +401,7 @@ def test_a_back_dated_record_added_after_its_rows_is_refused(tmp_path):
 
 
 def test_a_row_is_covered_only_by_a_record_the_store_saw_before_it_started(tmp_path):
-    from softprior.store.records import covering_records
+    from softprior.store.record_clock import covering_records
     store = RunStore(tmp_path / "s")
     cfg = _fade_cfg()
     assert store.claim(cfg)  # the row starts (a sweep claims it) ...
@@ -432,7 +432,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_shipped_records_precede_the_tables_computed_under_them():
-    from softprior.records import git_clock_problems
+    from softprior.preregistration import git_clock_problems
     problems = git_clock_problems(REPO)
     if problems is None:
         pytest.skip("git or the repository's history is not available here")
@@ -463,7 +463,7 @@ def _history(tmp_path, steps):
 
 
 def test_git_clock_refuses_a_record_added_or_edited_after_its_tables(tmp_path):
-    from softprior.records import git_clock_problems, record_hash
+    from softprior.preregistration import git_clock_problems, record_hash
     rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, ["k"], {}, True)
     reg = "src/softprior/calibration/registered/assoc_recall.json"
     table = "docs/results/paths/table.md"
@@ -494,8 +494,8 @@ def test_git_clock_refuses_a_record_added_or_edited_after_its_tables(tmp_path):
 
 
 def test_a_report_verifies_the_records_its_runs_name(tmp_path):
-    from softprior.records import shipped_records
-    from softprior.store.records import verify_named
+    from softprior.preregistration import shipped_records
+    from softprior.store.record_clock import verify_named
     store = RunStore(tmp_path / "s")
     h = shipped_records()["assoc_recall"]["hash"]
     assert set(verify_named(store.root, [h, None, ""])) == {h}
@@ -513,7 +513,7 @@ def test_a_report_verifies_the_records_its_runs_name(tmp_path):
 
 def test_a_table_refuses_runs_whose_record_no_one_holds(tmp_path):
     """``report.provenance_note`` (every table's provenance line) verifies the records its runs name."""
-    from softprior.records import shipped_records
+    from softprior.preregistration import shipped_records
     from softprior.cells import Cell
     from softprior.report import provenance_note
 
@@ -544,7 +544,7 @@ def test_a_registered_default_trains_the_configurations_the_search_measured(tmp_
     from softprior.calibration.doc import register
     from softprior.calibration.search import Candidate, candidate_configs
     from softprior.config import make_run_config
-    from softprior.records import default_options
+    from softprior.preregistration import default_options
     space = load_space("tiny")  # varies n_pairs and prior_scale only
     cand = Candidate(0, {"task.n_pairs": "4", "model.prior_scale": "2.0"}, {"n_pairs": 4}, {"prior_scale": 2.0},
                      "passes", 0.1, 2, {}, {}, {}, [])

@@ -178,7 +178,7 @@ def test_tasks_lists_names(capsys):
 
 def test_tasks_shows_the_registered_values_a_run_uses(capsys):
     """The options a run gets (the shipped pre-registered calibration), not the config defaults."""
-    from softprior.records import default_options
+    from softprior.preregistration import default_options
     rc, out, _ = cli(capsys, "tasks")
     assert rc == 0
     lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}

@@ -13,9 +13,9 @@ import pytest
 
 from softprior.calibration import Criterion, Row, calibration_key, load_space
 from softprior.calibration.identify import MIN_SET, hard_ok, identified, matched_rows
-from softprior.records import RecordRefused, verify_record
-from softprior.store.records import check_calibrated
-from softprior.calibration.record import make_record
+from softprior.preregistration import RecordRefused, verify_record
+from softprior.store.record_clock import check_calibrated
+from softprior.calibration.register import make_record
 from softprior.calibration.search import Candidate
 from softprior.config import make_run_config
 from softprior.tiers import IDENTIFICATION, ROWS, SE_FLOOR, TRAJECTORY, PaperRow, tiers_spec
@@ -168,6 +168,22 @@ def test_length_variants_read_one_run_three_ways(tmp_path):
     assert got["pairs fill"][1] == pytest.approx((1 - 0.9 ** 21) * 10 / 21)
     assert got["clip"][1] == got["no bias beyond"][1] == pytest.approx((1 - 0.9 ** 6) * 10 / 6)
     assert all(0.0 <= acc <= 1.0 for acc, _ in got.values())
+
+
+def test_the_length_reading_is_the_one_whose_mean_over_the_set_is_nearest_the_paper(monkeypatch):
+    from softprior.calibration import identify
+    space = load_space("assoc_recall_identify")
+    per = {1: {"clip": (0.78, 0.47), "no bias beyond": (0.30, 0.47), "pairs fill": (0.40, 0.42)},
+           2: {"clip": (0.80, 0.47), "no bias beyond": (0.10, 0.47), "pairs fill": (0.44, 0.42)},
+           3: None}  # nothing stored: not counted
+    monkeypatch.setattr(identify, "length_means", lambda space, store, c, seeds=3: per[c])
+    got = identify.length_reading(space, None, [1, 2, 3])
+    # means .79, .20, .42: |.20 - .263| = .063 is the least
+    assert got["means"] == {"clip": 0.79, "no bias beyond": 0.2, "pairs fill": 0.42}
+    assert got["chosen"] == "no bias beyond" and got["members"] == 2 and got["paper"] == 0.263
+    per[2] = {"clip": (0.80, 0.47), "no bias beyond": (0.02, 0.47), "pairs fill": (0.20, 0.42)}  # means .16, .30
+    assert identify.length_reading(space, None, [1, 2])["chosen"] == "pairs fill"
+    assert identify.length_reading(space.model_copy(update={"task": "markov"}), None, [1]) == {}
 
 
 def test_rows_that_no_candidate_matches_together_are_named_as_a_conflict():

@@ -314,8 +314,8 @@ def test_a_config_that_does_not_hash_to_its_run_id_is_reported(filled):
 
 
 def _record_for(cfg, **over):
-    from softprior.records import calibration_key
-    from softprior.calibration.record import make_record
+    from softprior.preregistration import calibration_key
+    from softprior.calibration.register import make_record
     from softprior.calibration.space import load_space
     rec = make_record(load_space("tiny"), {"n_pairs": 4}, {}, [calibration_key(cfg)], {}, True)
     return {**rec, **over}

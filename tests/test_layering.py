@@ -100,12 +100,12 @@ def test_the_import_graph_has_no_cycle(tmp_path):
 def test_no_lower_layer_imports_calibration():
     """Calibration is a top layer (the search, its reports, pre-registration): only the command line,
     the paper's driver and the study's (``softprior study``: the driver and its report) import it. The records every layer reads live below ``config``
-    (``softprior.records``), the store's records and clock in ``softprior.store.records``."""
+    (``softprior.preregistration``), the store's records and clock in ``softprior.store.record_clock``."""
     graph = import_graph()
     users = {m for m, deps in graph.items() if not m.startswith("softprior.calibration")
              and any(d == "softprior.calibration" or d.startswith("softprior.calibration.") for d in deps)}
     assert users <= {"softprior.cli", "softprior.paper", "softprior.study", "softprior.study_report"}, sorted(users)
-    assert not {d for d in graph["softprior.records"] if d != "softprior"}, graph["softprior.records"]
+    assert not {d for d in graph["softprior.preregistration"] if d != "softprior"}, graph["softprior.preregistration"]
 
 
 def test_only_the_store_touches_its_private_functions():

@@ -47,7 +47,7 @@ def test_tasks_lists_options_and_the_closed_form_ceiling():
     """``softprior tasks`` names every option with its choices and the associative-recall ceiling of
     the registered default, computed here from the shipped record: E[1/m] = (1-(1-1/K)^n) K/n with
     keys drawn with replacement and the uniform rule, else 1."""
-    import softprior.records as rec
+    import softprior.preregistration as rec
     r = fresh(RUN, json.dumps(["tasks"]))
     opts = rec.default_options("assoc_recall")[0]
     K, n = opts.get("n_keys", 15), opts.get("n_pairs", 10)

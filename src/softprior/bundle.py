@@ -231,7 +231,7 @@ class Recorder:
                     _replace_file(self._dir / "records" / f"{rec['hash']}.json", _dump(rec))
 
     def _records(self) -> list[dict]:
-        from .records import all_shipped_records
+        from .preregistration import all_shipped_records
         own = getattr(self._source, "calibration_records", None)
         return [*(own() if own is not None else []), *all_shipped_records()]
 
@@ -383,14 +383,14 @@ class BundleSource:
     def calibration_records(self) -> list[dict]:
         """The records the bundle holds, each verified (``records.read_record``: a forged or edited one
         is refused, naming its file)."""
-        from .records import read_record
+        from .preregistration import read_record
         return [read_record(f) for f in sorted((self.root / "records").glob("*.json"))]
 
     def record_first_rows(self, named) -> dict[str, float | None]:
         """Record hash -> the first prediction row's start under it, for the hashes ``named``, from the
         manifest's ``records``. A record the bundle holds or a run names that the manifest does not list
         (swapped or rehashed after the bundle was written) is refused, one line naming its file."""
-        from .records import RecordRefused
+        from .preregistration import RecordRefused
         listed = self.manifest.get("records")
         if not isinstance(listed, dict):
             raise BundleError(f"results bundle {str(self.root)!r}: its manifest carries no record hashes and first-row "

@@ -431,7 +431,7 @@ def _paper(args, train: bool) -> int:
 
         def rel(p):
             return Path(os.path.relpath(Path(p).resolve(), out.resolve())).as_posix() if p else None
-        from .store.records import first_rows
+        from .store.record_clock import first_rows
         first = first_rows(store.index.rows())  # each record's age, for a report outside git (bundle.py)
         held = sorted(f.stem for f in (writer.dir / "records").glob("*.json"))
         writer.finish({"records": {h: {"first_row": first.get(h)} for h in held},
@@ -780,7 +780,7 @@ def cmd_tasks(args) -> int:
     """Each task, its options and the Bayes ceiling of its registered default (closed form, no torch);
     ``--ceilings``: every default's ceiling or references measured (Monte Carlo where there is no
     closed form: Markov at each p, linear ICL's least squares, Bayes ridge and one GD step)."""
-    from .records import default_options
+    from .preregistration import default_options
     from .task_configs import TASK_CONFIGS, describe_tasks
     defaults = {t: default_options(t)[0] for t in TASK_CONFIGS}
     _print_rows(describe_tasks(defaults))
@@ -1083,7 +1083,7 @@ _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.experiments", "UnknownExperimentError"), ("softprior.experiments", "UnknownTaskFilterError"),
               ("softprior.plugins", "PluginError"), ("softprior.calibration.space", "SpaceError"),
               ("softprior.study", "StudyError"), ("softprior.priors", "UnknownPriorError"),
-              ("softprior.records", "CalibrationMissing"),  # and RecordRefused, a subclass
+              ("softprior.preregistration", "CalibrationMissing"),  # and RecordRefused, a subclass
               ("softprior.report", "DirtyRunsRefused"), ("softprior.executors", "SettingError"),
               ("softprior.interop", "ExportError"), ("softprior.interop", "MissingExtraError"))
 

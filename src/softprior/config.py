@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from .model_config import ModelConfig, model_preset
 from .paths import PathConfig, get_path
-from .records import LATER_DEFAULTS, default_options, without_later_defaults
+from .preregistration import LATER_DEFAULTS, default_options, without_later_defaults
 from .task_configs import task_config, task_spec, validate_task_config
 
 __all__ = ["RunConfig", "make_run_config", "config_hash", "validation_message", "NON_SEMANTIC_FIELDS"]

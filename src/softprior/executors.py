@@ -798,7 +798,7 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     too and a job retried after its node died resumes instead of starting over (a local Ray always
     checkpoints; a node that turns out not to see the store trains without checkpoints, ``_ray_work``).
     ``require_calibration``: refuse (``CalibrationMissing``) before training anything when a
-    prediction row to be trained has no pre-registered calibration record (``store.records.check_calibrated``)."""
+    prediction row to be trained has no pre-registered calibration record (``store.record_clock.check_calibrated``)."""
     t0, started = time.perf_counter(), time.time()
     if executor not in ("local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; allowed: local, ray")

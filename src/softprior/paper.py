@@ -81,7 +81,7 @@ def registered_changes(results_dir: str | Path) -> dict[str, list[str]]:
     import re
 
     from .claims import changed_claims
-    from .records import all_shipped_records, read_record
+    from .preregistration import all_shipped_records, read_record
     held = {r["hash"]: r for r in all_shipped_records()}
     for f in sorted((Path(results_dir) / "bundle" / "records").glob("*.json")):
         held.setdefault((r := read_record(f))["hash"], r)

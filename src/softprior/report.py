@@ -570,14 +570,14 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path, smoke
 def provenance_note(store: RunStore, cells: list[Cell]) -> str:
     """One line naming the code, torch, CPU and calibration record(s) behind a table, and a warning
     when the table mixes code versions (runs recorded before provenance count as 'unrecorded').
-    Every record the runs name is verified first (``store.records.verify_named``): a forged or edited
+    Every record the runs name is verified first (``store.record_clock.verify_named``): a forged or edited
     record is refused (``RecordRefused``), and a hash no valid record holds is ``CalibrationMissing``."""
     import collections
     import sys
 
-    from .records import DIFFICULTY_PATHS
+    from .preregistration import DIFFICULTY_PATHS
     from .provenance import code_version
-    from .store.records import verify_named
+    from .store.record_clock import verify_named
     ids = list(dict.fromkeys(c.cfg.run_id for c in cells))
     done = [store.summary(r) for r in ids if store.is_done(r)]
     if not done:

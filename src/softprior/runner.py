@@ -17,7 +17,7 @@ class RunFailedError(StoreError):
 
 def run(cfg: RunConfig, store: RunStore, *, progress: bool = False, require_calibration: bool = True) -> dict:
     """Ensure ``cfg`` is trained and stored; return its summary. A prediction row needs a
-    pre-registered calibration record unless ``require_calibration=False`` (``store.records.check_calibrated``)."""
+    pre-registered calibration record unless ``require_calibration=False`` (``store.record_clock.check_calibrated``)."""
     from .executors import execute
     if not store.is_done(cfg.run_id):
         report = execute([cfg], store, progress=progress, sweep_bar=False, require_calibration=require_calibration)

@@ -10,8 +10,8 @@ difficulty rows alone, pre-registered, then a robustness map of the paper's clai
 """
 
 from .criteria import DIFFICULTY, Criterion, Row, criteria_for, difficulty_rows
-from ..records import CalibrationMissing, calibration_key, shipped_records
-from ..store.records import check_calibrated
+from ..preregistration import CalibrationMissing, calibration_key, shipped_records
+from ..store.record_clock import check_calibrated
 from .space import SearchSpace, SpaceError, load_space, shipped_spaces
 
 __all__ = ["DIFFICULTY", "Criterion", "Row", "criteria_for", "difficulty_rows",

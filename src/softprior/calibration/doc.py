@@ -7,8 +7,8 @@ import math
 from importlib import resources
 from pathlib import Path
 
-from ..records import CalibrationMissing, calibration_key
-from .record import make_record
+from ..preregistration import CalibrationMissing, calibration_key
+from .register import make_record
 from .report import candidates_table, choose, criteria_text, formation_by_axis
 from .robustness import claim_counts, mapped, prediction_rows
 from .search import candidate_configs
@@ -54,7 +54,7 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
     # the options the search built the candidate from: the default it inherited (the package's
     # registered one, as ``candidate_configs`` merges it) plus its own, so that the new default trains
     # exactly the configurations the search measured
-    from ..records import default_options
+    from ..preregistration import default_options
     t_def, m_def = default_options(space.task)
     t_opts = {**t_def, **c.task_options}
     m_opts = {**m_def, **c.model_options}
@@ -75,8 +75,8 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
     five seeds): one record whose keys cover every member's prediction rows, base and large, and which
     lists each member's options and identification rows. Its task and model options are the best
     member's. Refuses if a prediction row of any member was trained before it."""
-    from ..records import default_options
-    from .identify import identified_at, member_entry, with_completed
+    from ..preregistration import default_options
+    from .identify import identified_at, length_reading, member_entry, with_completed
     members = identified_at(space, with_completed(space, store, cands))
     if not members:
         raise CalibrationMissing(f"search {space.name!r} has no candidate measured on five seeds (none measured "
@@ -102,7 +102,7 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
     rec = make_record(space, entries[0]["task_options"], entries[0]["model_options"], keys,
                       {"distance": best.distance, "members": len(members)}, passes,
                       note=f"identified set of {len(members)} of study {space.name}-{space.digest}, best {best.cid}",
-                      extra={"identified": entries})
+                      extra={"identified": entries, "length_reading": length_reading(space, store, members)})
     store.write_record(rec)
     if ship:
         dest = Path(str(resources.files("softprior.calibration") / "registered")) / f"identified-{space.task}.json"
@@ -197,7 +197,7 @@ def write_calibration(doc, source, space, out, *, steps=None) -> bool:
     from dataclasses import asdict
 
     from ..bundle import ask
-    from ..records import verify_record
+    from ..preregistration import verify_record
     from .report import write_outputs
     from .robustness import fade_points
     from .search import Candidate, load_candidates

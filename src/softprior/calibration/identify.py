@@ -22,7 +22,7 @@ from ..tiers import MATCH_Z, rows_for
 from .search import REGISTER_SEEDS, completed_file, with_completed
 
 __all__ = ["MIN_SET", "REGISTER_SEEDS", "row_values", "matched_rows", "hard_ok", "identified", "identified_at",
-           "identified_set", "identification_block", "complete", "with_completed", "member_entry", "conflicts"]
+           "identified_set", "identification_block", "complete", "length_reading", "with_completed", "member_entry", "conflicts"]
 
 MIN_SET = 10
 
@@ -206,10 +206,35 @@ def length_variants(store, cfg, length: int = 120) -> dict[str, tuple[float, flo
     return out
 
 
-def length_block(space, store, cands, seeds: int = 3) -> str:
-    """The identified set's unforced runs at T = 120 under each length reading, beside the paper's .263."""
+def length_means(space, store, c, seeds: int = 3) -> dict[str, tuple[float, float]] | None:
+    """One candidate's unforced runs at T = 120 under each of ``LENGTH_VARIANTS``: (mean accuracy over
+    the seeds stored, Bayes ceiling); None if none is stored."""
     from .search import candidate_configs
     from .criteria import Row
+    got = [length_variants(store, cfg) for _, _, cfg in candidate_configs(
+        space, c.task_options, c.model_options, range(seeds), rows=[Row(path="unforced")]) if store.is_done(cfg.run_id)]
+    if not got:
+        return None
+    return {n: (sum(g[n][0] for g in got) / len(got), got[0][n][1]) for n in LENGTH_VARIANTS}
+
+
+def length_reading(space, store, members, seeds: int = 3) -> dict:
+    """Which reading of the paper's length test (soft_bias at T = 120: .263) the identified set supports:
+    per reading, the mean over the members of their unforced accuracy at T = 120, and the reading
+    nearest the paper's value. An identification row only (the same weights read three ways), decided
+    at registration and kept in the record; nothing is trained under it."""
+    from ..tiers import IDENTIFICATION
+    paper = next((r.paper for r in IDENTIFICATION if r.task == space.task and r.read == "T=120"), None)
+    per = [m for m in (length_means(space, store, c, seeds) for c in members) if m] if paper is not None else []
+    if not per:
+        return {}
+    means = {n: round(sum(m[n][0] for m in per) / len(per), 4) for n in LENGTH_VARIANTS}
+    return {"paper": paper, "members": len(per), "means": means,
+            "chosen": min(LENGTH_VARIANTS, key=lambda n: abs(means[n] - paper))}
+
+
+def length_block(space, store, cands, seeds: int = 3) -> str:
+    """The identified set's unforced runs at T = 120 under each length reading, beside the paper's .263."""
     members = identified_set(space, cands)
     which = "The identified set's"
     if not members:  # before any candidate is measured on every seed: the best ranked so far, on their seeds
@@ -219,13 +244,8 @@ def length_block(space, store, cands, seeds: int = 3) -> str:
              "soft_bias .263). Accuracy, mean over the seeds measured, and the task's Bayes ceiling at that length.",
              "", "| id | " + " | ".join(LENGTH_VARIANTS) + " |", "|---|" + "---|" * len(LENGTH_VARIANTS)]
     for c in members:
-        got = []
-        for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, range(seeds),
-                                           rows=[Row(path="unforced")]):
-            if store.is_done(cfg.run_id):
-                got.append(length_variants(store, cfg))
+        got = length_means(space, store, c, seeds)
         if got:
-            lines.append(f"| {c.cid} | " + " | ".join(
-                f"{sum(g[n][0] for g in got) / len(got):.3f} (ceiling {got[0][n][1]:.3f})" for n in LENGTH_VARIANTS)
-                + " |")
+            lines.append(f"| {c.cid} | " + " | ".join(f"{got[n][0]:.3f} (ceiling {got[n][1]:.3f})"
+                                                       for n in LENGTH_VARIANTS) + " |")
     return "\n".join(lines)

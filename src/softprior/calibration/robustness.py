@@ -18,7 +18,7 @@ import math
 
 from ..claims import claims_for_task, verdicts
 from .criteria import Row, difficulty_rows
-from ..store.records import store_records
+from ..store.record_clock import store_records
 from .search import candidate_configs, ceiling
 
 __all__ = ["prediction_rows", "run_robustness", "claim_counts", "fade_row", "claim_rows"]
@@ -71,7 +71,7 @@ def mapped(space, cands, limit: int = 10):
     those measured on every seed (the nearest, completed before registration), nearest first. A
     distance measured on one seed is not comparable with one on three, so pruned candidates are not
     mapped. Two spellings of one configuration are mapped once."""
-    from ..records import calibration_key
+    from ..preregistration import calibration_key
     if space.identify:  # the identified set (declared in identify.py), best first, all of it
         from .identify import identified_set
         pool = identified_set(space, cands)
@@ -94,7 +94,7 @@ def run_robustness(space, store, cands, *, executor="local", workers=1, group_si
                    steps: int | None = None, all_fade: bool = True):
     """Train the map's rows. Refuses unless a calibration record of this space is registered."""
     from ..executors import execute
-    from ..records import CalibrationMissing
+    from ..preregistration import CalibrationMissing
     if not any(r.get("space_digest") == space.digest for r in store_records(store.root)):
         raise CalibrationMissing(f"no calibration record of space {space.name!r} is registered in "
                                  f"{str(store.root)!r}: run `softprior calibrate {space.task} --register` first")

@@ -311,7 +311,7 @@ def complete_nearest(space: SearchSpace, store, cands: list[Candidate], k: int =
     from ..executors import execute
     if any(c.status == "passes" for c in cands):
         return cands
-    from ..records import calibration_key
+    from ..preregistration import calibration_key
     todo, seen = [], set()
     for c in sorted([c for c in cands if c.status == "pruned" and not math.isnan(c.distance)],
                     key=lambda c: (c.distance, c.cid)):

@@ -47,7 +47,7 @@ from ..config import RunConfig
 from .errors import RunNotFoundError, StoreDamagedError, StoreError, StoreNotFoundError, StoreReadOnlyError
 from .files import RunFiles, _atomic_write_bytes, sha256_file
 from .index import STALE_SECONDS, RunIndex
-from .records import calibration_dir, check_calibrated, covering_records, save_record, store_records
+from .record_clock import calibration_dir, check_calibrated, covering_records, save_record, store_records
 
 __all__ = ["RunStore", "RunIndex", "RunFiles", "StoreError", "RunNotFoundError", "StoreNotFoundError",
            "StoreReadOnlyError", "StoreDamagedError", "load_results", "sha256_file", "STALE_SECONDS"]

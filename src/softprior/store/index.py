@@ -83,7 +83,7 @@ BEGIN SELECT RAISE(ABORT, 'the ledger is append-only'); END;
 
 def _add_record_column(db) -> None:
     """``runs.record``: the hash of the calibration record a finished run ran under ('' for none; NULL
-    for runs committed before the store kept its clock, store/records.py)."""
+    for runs committed before the store kept its clock, store/record_clock.py)."""
     if "record" not in {r[1] for r in db.execute("PRAGMA table_info(runs)")}:
         try:
             db.execute("ALTER TABLE runs ADD COLUMN record TEXT")
@@ -337,7 +337,7 @@ class RunIndex:
 
     # ------------------------------------------------------------------ the clock of calibration records
     def record_sightings(self) -> dict[str, float]:
-        """Calibration record hash -> when this store first saw it (``store/records.py``)."""
+        """Calibration record hash -> when this store first saw it (``store/record_clock.py``)."""
         with self._connect() as db:
             return {r["hash"]: r["first_seen"] for r in db.execute("SELECT hash, first_seen FROM record_sightings")}
 

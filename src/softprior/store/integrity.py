@@ -16,7 +16,7 @@ index's ``files`` table, in the same transaction that marks the run done. ``veri
   ``load_snapshots`` would read it);
 - a finished run whose stored config (its index row, or config.json) does not hash to its run id once
   this code validates it: the run id would name other numbers than the ones stored;
-- calibration records (``softprior/records.py``, ``store/records.py``): every record of the store (``STORE/calibration``)
+- calibration records (``softprior/preregistration.py``, ``store/record_clock.py``): every record of the store (``STORE/calibration``)
   and of the package is re-hashed, a forged or edited one reported with its file; by the store's
   clock (its index's ``record_sightings`` and ``runs.record``), a store record first seen after a
   prediction row it covers had started (added after the fact), and a finished run that ran under a
@@ -53,14 +53,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import records as R
+from .. import preregistration as R
 from ..claims import changed_claims
 from ..config import RunConfig, config_hash
 from . import RunStore
 from .errors import StoreNotFoundError, StoreReadOnlyError
 from .files import sha256_file
 from .index import connect_read_only
-from .records import first_rows, record_files, rows_started_before
+from .record_clock import first_rows, record_files, rows_started_before
 
 __all__ = ["verify_store", "VerifyReport", "Problem", "REQUIRED_FILES"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from softprior import claims as C
-from softprior import records as R
+from softprior import preregistration as R
 
 REG = R.REGISTERED
 T0 = calendar.timegm((2026, 1, 10, 12, 0, 0))  # the fake repository's first commit
@@ -209,7 +209,7 @@ def test_a_bundle_checks_its_records_against_its_manifest(tmp_path, monkeypatch)
     import shutil
 
     from softprior.bundle import BundleSource
-    from softprior.store.records import verify_named
+    from softprior.store.record_clock import verify_named
     monkeypatch.setattr(R, "package_repo", lambda: None)
     src = Path(R.__file__).resolve().parents[2] / "docs" / "results" / "bundle"
     b = tmp_path / "bundle"

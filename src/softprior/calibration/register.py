@@ -2,8 +2,8 @@
 prediction row of that configuration is trained (docs/DESIGN.md, "Calibration").
 
 ``make_record`` writes a record of the calibration search's choice. What a record is, its hash, its
-verification, its age and the shipped records live in ``softprior.records`` (read by ``config`` for a
-task's defaults); the store's records and its clock in ``softprior.store.records``.
+verification, its age and the shipped records live in ``softprior.preregistration`` (read by ``config`` for a
+task's defaults); the store's records and its clock in ``softprior.store.record_clock``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from ..records import HASH_SCHEME, record_hash
+from ..preregistration import HASH_SCHEME, record_hash
 
 __all__ = ["make_record"]
 

@@ -1,6 +1,6 @@
 """The store's calibration records and its clock: the files of ``STORE/calibration`` (written by
 ``save_record`` alone, read by ``record_files`` / ``store_records``) and the judgement of a record
-against the store's runs (the record itself, its hash and the shipped records: ``softprior.records``).
+against the store's runs (the record itself, its hash and the shipped records: ``softprior.preregistration``).
 
 A record cannot vouch for its own time, so the store keeps one: its index notes when it first saw
 each record's hash (table ``record_sightings``, append-only), and every finished run the hash of the
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..config import RunConfig
-from ..records import (DIFFICULTY_PATHS, REGISTERED, CalibrationMissing, RecordRefused, age_problems,
+from ..preregistration import (DIFFICULTY_PATHS, REGISTERED, CalibrationMissing, RecordRefused, age_problems,
                        all_shipped_records, calibration_key, find_record, late_record_reason, needs_record, read_record,
                        record_keys, shipped_files, verify_record)
 from .index import RunIndex

@@ -6,7 +6,7 @@ shipped record without reaching up into ``calibration/``.
 A record fixes the task design and initialisation *before* any prediction row of that configuration
 is trained (docs/DESIGN.md, "Calibration"). It holds the chosen candidate's task and model options,
 the criteria it was chosen by, what they measured, a UTC timestamp and a content hash. Records live
-in the run store (``STORE/calibration/<task>-<hash>.json``: ``store.records`` reads and writes them,
+in the run store (``STORE/calibration/<task>-<hash>.json``: ``store.record_clock`` reads and writes them,
 the store's clock included) and, for the package defaults, in the package
 (``softprior/calibration/registered/<task>.json``, copied there by ``softprior calibrate --register``
 with ``--ship``). ``config.make_run_config`` builds a task's default run from its shipped record.
@@ -14,21 +14,21 @@ with ``--ship``). ``config.make_run_config`` builds a task's default run from it
 A *prediction row* (any path other than the difficulty rows) of the soft-prior model needs a record
 that covers its calibration key (task options and initialisation fields; not sizes, not training
 settings, not Markov's p): ``needs_record``, ``calibration_key``; the store refuses to train one
-that no record covers (``store.records.check_calibrated``, ``CalibrationMissing``). Exploratory
+that no record covers (``store.record_clock.check_calibrated``, ``CalibrationMissing``). Exploratory
 runs pass ``require_calibration=False``.
 
 Records prove themselves:
 
 - **The hash.** ``record_hash`` recomputes a record's hash from the record itself, by the scheme it
-  names (``hash_scheme``): v2 (what ``calibration.record.make_record`` writes) hashes everything but
+  names (``hash_scheme``): v2 (what ``calibration.register.make_record`` writes) hashes everything but
   the hash, so its content, its calibration keys and its time ``registered_at``; v1 (records without
   ``hash_scheme``: every record written before v2, the shipped ones included) hashed everything but
   the hash and the time. Each record verifies under its own scheme, so old records and the runs made
   under them stay valid (the hash is no part of a run id). Every read of a record (``read_record``:
   training a prediction row, the summary's covering record, the package defaults, ``store verify``,
-  and ``store.records.verify_named`` for a report's runs) recomputes it; a mismatch (a forged or
+  and ``store.record_clock.verify_named`` for a report's runs) recomputes it; a mismatch (a forged or
   edited record) raises ``RecordRefused``, one line naming the file.
-- **The store's clock** (``store.records``): a record cannot vouch for its own time, so the store
+- **The store's clock** (``store.record_clock``): a record cannot vouch for its own time, so the store
   keeps one: its index notes when it first saw each record's hash (table ``record_sightings``,
   append-only), and every finished run the hash of the record it ran under (column ``runs.record``;
   '' for none). A run is covered only by a record the store saw before the run started (its row's
@@ -70,7 +70,7 @@ _INIT_FIELDS = ("embed_init_std", "content_rank", "content_init_std", "gate_gran
                 "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "prior_family")
 _ROW_FIELDS = {"p"}  # task options that differ between the rows of one candidate
 
-HASH_SCHEME = 2  # the scheme calibration.record.make_record writes
+HASH_SCHEME = 2  # the scheme calibration.register.make_record writes
 _UNHASHED = {1: ("hash", "registered_at"), 2: ("hash",)}  # per scheme: the fields its hash leaves out
 
 
