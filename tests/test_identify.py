@@ -146,6 +146,44 @@ def test_identification_search_registers_its_set_on_five_seeds_and_covers_only_i
     assert calibration_key(member) in rec["keys"] and calibration_key(outside) not in rec["keys"]
     assert check_calibrated([member], tmp_path / "runs") == {member.run_id: rec["hash"]}
     assert math.isfinite(rec["measured"]["distance"])
+    lr = rec["length_reading"]  # the length test read three ways over the set, the nearest chosen
+    assert lr["members"] == 2 and set(lr["means"]) == {"clip", "no bias beyond", "pairs fill"}
+    assert lr["chosen"] == min(lr["means"], key=lambda n: abs(lr["means"][n] - 0.263))
+    _recorded_into_a_bundle_and_regenerated_from_it(tmp_path)
+
+
+def _recorded_into_a_bundle_and_regenerated_from_it(tmp_path):
+    """``calibrate --bundle``: the search recorded into a results bundle written from another store;
+    from the bundle alone, with the store gone, its blocks and its RESULTS.md section come back byte
+    for byte, and the bundle's manifest lists the space."""
+    import shutil
+
+    from softprior.bundle import BundleSource, BundleWriter
+    from softprior.calibration import load_space
+    from softprior.calibration.doc import write_calibration
+    from softprior.paper import search_sections
+    w = BundleWriter(tmp_path / "results" / "bundle")  # a paper's bundle, of no experiment
+    w.finish({"records": {}, "options": {"seeds": None, "quick": True, "tasks": None}, "experiments": [],
+              "spaces": [], "exploratory": False, "docs": {}})
+    (tmp_path / "cal.md").write_text("# calibration\n")
+    r = subprocess.run([sys.executable, "-m", "softprior.cli", "calibrate", "assoc_recall", "--space",
+                        str(tmp_path / "space.toml"), "--steps", "20", "--no-progress", "--store", str(tmp_path / "runs"),
+                        "--doc", str(tmp_path / "cal.md"), "--bundle", str(tmp_path / "results")],
+                       capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    src = BundleSource(tmp_path / "results")
+    assert {"name": "tiny_identify"} in src.manifest["spaces"]
+    out = tmp_path / "results" / "calibration" / "tiny_identify"
+    section = (out / "identified.md").read_text()
+    assert "Best identified configuration" in section and "| forced_const0.5 base normal | 0.164 ± 0.003 |" in section
+    assert search_sections(tmp_path / "results")[0] == section.strip()
+    written = {p: p.read_text() for p in [tmp_path / "cal.md", out / "identified.md", out / "candidates.md"]}
+    shutil.rmtree(tmp_path / "runs")
+    for p in written:
+        p.unlink()
+    (tmp_path / "cal.md").write_text("# calibration\n")
+    assert write_calibration(tmp_path / "cal.md", src, load_space(str(tmp_path / "space.toml")), out, steps=20)
+    assert {p: p.read_text() for p in written} == written
 
 
 def test_identify_and_space_together_are_refused_in_one_line(tmp_path):
@@ -176,7 +214,7 @@ def test_the_length_reading_is_the_one_whose_mean_over_the_set_is_nearest_the_pa
     per = {1: {"clip": (0.78, 0.47), "no bias beyond": (0.30, 0.47), "pairs fill": (0.40, 0.42)},
            2: {"clip": (0.80, 0.47), "no bias beyond": (0.10, 0.47), "pairs fill": (0.44, 0.42)},
            3: None}  # nothing stored: not counted
-    monkeypatch.setattr(identify, "length_means", lambda space, store, c, seeds=3: per[c])
+    monkeypatch.setattr(identify, "length_means", lambda space, store, c, seeds=3, steps=None: per[c])
     got = identify.length_reading(space, None, [1, 2, 3])
     # means .79, .20, .42: |.20 - .263| = .063 is the least
     assert got["means"] == {"clip": 0.79, "no bias beyond": 0.2, "pairs fill": 0.42}

@@ -44,8 +44,8 @@ from pathlib import Path
 
 from .store.errors import StoreError
 
-__all__ = ["FORMAT", "BundleError", "BundleSource", "BundleWriter", "Recorder", "ask", "ask_many", "find_bundle",
-           "read_ledger", "write_ledger"]
+__all__ = ["FORMAT", "BundleError", "BundleSource", "BundleWriter", "Recorder", "add_part", "ask", "ask_many",
+           "find_bundle", "read_ledger", "write_ledger"]
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -258,6 +258,32 @@ class BundleWriter:
             shutil.rmtree(self.final)
         os.replace(self.dir, self.final)
         return self.final
+
+
+def add_part(path: str | Path, source, part: str, write, *, space: str | None = None,
+             first_rows: dict[str, float | None] | None = None):
+    """Record part ``part`` into the finished bundle at ``path`` from ``source``, a store other than
+    the one the bundle was written from (a search's own store): ``write(recorder)`` asks its questions
+    through a ``Recorder``; the part replaces an earlier part of that name, and the manifest lists
+    ``space`` among its calibration spaces and every record the part holds, with the start of the first
+    prediction row under it in ``source`` (``first_rows``: ``store.record_clock.first_rows``), the clock
+    a report outside git checks its age by. Returns what ``write`` returns. Written in place (a bundle
+    written whole is ``BundleWriter``'s): a part killed half-way is written again by the same command."""
+    root = find_bundle(path)
+    manifest = _manifest(root)
+    rec = Recorder(source, root, part)
+    result = write(rec)
+    rec.close()
+    named = {r.get("calibration") for r in rec._runs.values()} - {None, ""}
+    listed = manifest.setdefault("records", {})
+    for h in sorted(named):
+        if (root / "records" / f"{h}.json").is_file():  # the earliest first row either store saw
+            times = [t for t in ((listed.get(h) or {}).get("first_row"), (first_rows or {}).get(h)) if t is not None]
+            listed[h] = {"first_row": min(times) if times else None}
+    if space is not None and space not in {s["name"] for s in manifest.setdefault("spaces", [])}:
+        manifest["spaces"].append({"name": space})
+    _replace_file(root / MANIFEST, _dump(manifest))
+    return result
 
 
 def write_ledger(bundle_dir: str | Path, rows: list[dict], kinds: dict[int, str]) -> Path:

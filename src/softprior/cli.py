@@ -414,6 +414,9 @@ def _paper(args, train: bool) -> int:
     write_reports(store, exps, out, opts=opts, workers=args.workers, plugins=args.plugin or (),
                   on_report=lambda *a: _record_report(store, *a), bundle=writer.dir if writer else None,
                   exploratory=exploratory)
+    # the searches first: RESULTS.md shows an identification or effect search's section (paper.search_sections)
+    written = write_calibration_docs(store, cal_doc, out, spaces, bundle=writer.dir if writer else None) \
+        if cal_doc else []
     started, t0 = time.time(), time.perf_counter()
     write_results_doc(out, doc, names=[e.name for e, _ in exps])
     _record_report(store, "RESULTS.md", started, time.perf_counter() - t0, 0)
@@ -421,8 +424,6 @@ def _paper(args, train: bool) -> int:
         from .paper import load_tables, verdict_summary
         from .report import splice_into_doc
         splice_into_doc(readme, "verdicts", verdict_summary(load_tables(out)))
-    written = write_calibration_docs(store, cal_doc, out, spaces, bundle=writer.dir if writer else None) \
-        if cal_doc else []
     if writer is not None:
         from .bundle import write_ledger
         rows = store.ledger()  # after this report's rows: the bundle carries the time it took
@@ -563,6 +564,16 @@ def cmd_calibrate(args) -> int:
     if args.budget is not None and args.budget < 1:
         raise CliError(f"--budget must be >= 1, got {args.budget}")
     _check_executor(args)
+    bundle = None
+    if args.bundle:
+        from .bundle import BundleError, BundleSource
+        if not args.doc:
+            raise CliError("--bundle records the search's blocks of a document: give --doc (docs/CALIBRATION.md)")
+        try:
+            bundle = BundleSource(args.bundle).results_dir
+        except BundleError as e:
+            raise CliError(str(e)) from None
+        args.out = args.out or str(bundle / "calibration" / space.name)
     _check_outputs(args, f"results/calibration/{space.name}")
     store = _store(args)
     out = Path(args.out or f"results/calibration/{space.name}")
@@ -594,11 +605,26 @@ def cmd_calibrate(args) -> int:
                              group_size=args.group, progress=not args.no_progress, steps=args.steps,
                              all_fade=args.fade_points)
         print(rep.line(), file=sys.stderr)
-    fade = fade_points(space, store, cands, steps=args.steps) or None
-    files = write_outputs(space, cands, out, fade)
-    if args.doc:
-        from .calibration.doc import update_doc
-        update_doc(args.doc, space, store, cands, steps=args.steps, figure=files.get("figure"))
+    if bundle is not None:  # the same outputs and blocks, written through the bundle (bundle.add_part)
+        from .bundle import add_part
+        from .calibration.doc import write_calibration
+        from .store.record_clock import first_rows
+        add_part(args.bundle, store, f"calibration-{space.name}",
+                 lambda src: write_calibration(args.doc, src, space, out, steps=args.steps), space=space.name,
+                 first_rows=first_rows(store.index.rows()))
+        if not (out / "candidates.md").is_file():
+            raise CliError(f"search space {space.name!r} was never searched in store {args.store!r}: nothing to record")
+        files = {f.name: f for f in sorted(out.iterdir()) if f.is_file()}
+        print(f"recorded search {space.name} into the bundle {args.bundle}: `softprior report paper --from-bundle "
+              f"{args.bundle}` writes RESULTS.md with it", file=sys.stderr)
+    else:
+        from .calibration.doc import write_sections
+        fade = fade_points(space, store, cands, steps=args.steps) or None
+        files = write_outputs(space, cands, out, fade)
+        if args.doc:
+            from .calibration.doc import update_doc
+            update_doc(args.doc, space, store, cands, steps=args.steps, figure=files.get("figure"))
+        write_sections(space, store, cands, out, steps=args.steps)
     print((out / "candidates.md").read_text())
     best = choose(cands)
     n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible")}
@@ -981,6 +1007,10 @@ def _add_calibrate_parser(sub) -> None:
     c.add_argument("--store", default="runs")
     c.add_argument("--out", default=None, help="output directory (default results/calibration/SPACE)")
     c.add_argument("--doc", default=None, help="splice the generated blocks into this markdown file")
+    c.add_argument("--bundle", default=None, metavar="DIR",
+                   help="with --doc: also record the search into the results bundle at DIR (its blocks, and its "
+                   "section of RESULTS.md, then regenerate from the bundle: `report paper --from-bundle DIR`); "
+                   "--out defaults to DIR's results directory/calibration/SPACE")
     c.add_argument("--executor", default="local", choices=["local", "ray"])
     c.add_argument("--workers", type=int, default=1)
     c.add_argument("--group", type=_group_arg, default="auto", help="runs per group, or 'auto' (as reproduce)")

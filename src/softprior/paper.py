@@ -251,6 +251,17 @@ def identification_table(tables, params: dict[str, float] | None = None) -> str:
     return "\n".join(lines)
 
 
+def search_sections(results_dir: str | Path) -> list[str]:
+    """The sections a search writes for RESULTS.md beside its outputs (``calibration.doc.write_sections``):
+    every identification search's ``identified.md``, then every effect search's ``effect.md``."""
+    root = Path(results_dir) / "calibration"
+    out = []
+    for name in ("identified.md", "effect.md"):
+        for f in sorted(root.glob(f"*/{name}")):
+            out += [f.read_text().strip(), ""]
+    return out
+
+
 def default_params() -> dict[str, float]:
     """Parameters (thousands) of the shipped default associative-recall model, base and large."""
     from .config import make_run_config
@@ -296,7 +307,7 @@ def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extr
     tables = load_tables(results_dir)
     formation = formation_summary(results_dir, names)
     parts = [_HEAD, verdict_table(tables, results_dir), "", _ID_HEAD, identification_table(tables, default_params()),
-             ""] + ([formation, ""] if formation else [])
+             ""] + search_sections(results_dir) + ([formation, ""] if formation else [])
     notes = results_dir / "NOTES.md"  # prose that explains the tables (no numbers: those come from them)
     if notes.exists():
         parts += [notes.read_text().strip(), ""]

@@ -102,7 +102,7 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
     rec = make_record(space, entries[0]["task_options"], entries[0]["model_options"], keys,
                       {"distance": best.distance, "members": len(members)}, passes,
                       note=f"identified set of {len(members)} of study {space.name}-{space.digest}, best {best.cid}",
-                      extra={"identified": entries, "length_reading": length_reading(space, store, members)})
+                      extra={"identified": entries, "length_reading": length_reading(space, store, members, steps=steps)})
     store.write_record(rec)
     if ship:
         dest = Path(str(resources.files("softprior.calibration") / "registered")) / f"identified-{space.task}.json"
@@ -153,12 +153,26 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
     if space.identify:
         from .identify import identification_block
         splice_into_doc(doc, f"identification-{space.name}", identification_block(space, cands))
+    splice_into_doc(doc, f"robustness-{space.name}", robustness_block(space, store, cands, steps=steps, doc=doc,
+                                                                      figure=figure))
+    if space.identify:
+        from .robustness import sensitivity_block
+        splice_into_doc(doc, f"sensitivity-{space.name}", sensitivity_block(space, store, cands, steps=steps))
+        if space.task == "assoc_recall":
+            from .identify import length_block
+            splice_into_doc(doc, f"length-{space.name}", length_block(space, store, cands, steps=steps))
+
+
+def robustness_block(space, store, cands, *, steps=None, doc=None, figure=None) -> str:
+    """The robustness map: per claim, on how many mapped configurations it is reproduced, and the
+    verdict on each (with ``figure``, a link to the candidates' figure relative to ``doc``)."""
     counts = claim_counts(space, store, cands, steps=steps)
     m = mapped(space, cands)
     passing = [c for c in cands if c.status == "passes"]
-    lines = [f"Mapped configurations: {len(m)} ({'the passing ones' if passing else 'NO candidate passes: the nearest'}"
-             f"{', nearest ten' if len(passing) > 10 else ''}); "
-             f"{_mapped_rows(prediction_rows(space.task))} at {space.seeds} seeds.", "",
+    what = ("the identified set" if space.identify else
+            f"{'the passing ones' if passing else 'NO candidate passes: the nearest'}{', nearest ten' if len(passing) > 10 else ''}")
+    lines = [f"Mapped configurations: {len(m)} ({what}); "
+             f"{_mapped_rows(prediction_rows(space.task, space.identify))} at {space.seeds} seeds.", "",
              "| claim | predicate | holds in | of measured | per configuration |",
              "|---|---|---|---|---|"]
     mark = {True: "y", False: "n", "inconclusive": "~", None: "?"}
@@ -168,17 +182,72 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
         lines.append(f"| {cl.statement} | {pred} | {yes} | {tot} | {per} |")
     lines += ["", "y: reproduced on that configuration (every condition's 95% interval over its seeds on its side), "
               "n: not, ~: inconclusive, ?: not measured (`softprior.claims`)."]
-    if figure:
+    if figure and doc:
         import os
         rel = os.path.relpath(Path(figure).resolve(), Path(doc).resolve().parent)
         lines += ["", f"![candidates]({Path(rel).as_posix()})"]
-    splice_into_doc(doc, f"robustness-{space.name}", "\n".join(lines))
+    return "\n".join(lines)
+
+
+def write_sections(space, source, cands, out, *, steps=None) -> Path | None:
+    """What docs/RESULTS.md shows of a search (``paper.write_results_doc`` reads it from the results):
+    an identification search's ``identified.md`` (``identify.results_section``), an effect search's
+    ``effect.md`` (``effect_section``). None for other searches, or before there is anything to show."""
     if space.identify:
+        from .identify import results_section
         from .robustness import sensitivity_block
-        splice_into_doc(doc, f"sensitivity-{space.name}", sensitivity_block(space, store, cands, steps=steps))
-        if space.task == "assoc_recall":
-            from .identify import length_block
-            splice_into_doc(doc, f"length-{space.name}", length_block(space, store, cands))
+        text = results_section(space, source, cands, robustness_block(space, source, cands, steps=steps),
+                               sensitivity_block(space, source, cands, steps=steps), steps=steps)
+        name = "identified.md"
+    elif space.effect:
+        text, name = effect_section(space, cands), "effect.md"
+    else:
+        return None
+    if not text:
+        return None
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.rstrip() + "\n")
+    return path
+
+
+def effect_section(space, cands, top: int = 8) -> str:
+    """The exploratory search for where the trajectory effect lives, for docs/RESULTS.md: the
+    candidates with the largest effect (fade600 zero minus the larger of forced_zero and hard_switch600
+    zero, means over their seeds) and the identification rows those runs also measure, beside the
+    paper's values. Exploratory: none of these runs enters a verdict table."""
+    from ..tiers import rows_for
+    from .criteria import EFFECT_PATHS, trajectory_effect
+    keys = [f"{p}|zero" for p in EFFECT_PATHS]
+    done = [c for c in cands if all(k in c.means for k in keys)]
+    if not done:
+        return ""
+    ranked = sorted(done, key=lambda c: (-trajectory_effect(c.means), c.cid))
+    paper = {(r.source, r.read): r for r in rows_for(space.task) if r.model == space.model}
+    u_n, u_z = paper.get(("unforced", "normal")), paper.get(("unforced", "zero"))
+    pat = {r.source: r.paper for r in rows_for(space.task, "trajectory") + rows_for(space.task)
+           if r.model == space.model and r.source in EFFECT_PATHS and r.read == "zero" and r.paper is not None}
+    big = [c for c in done if trajectory_effect(c.means) >= 0.15 and c.checks.get("unforced zero per seed", False)]
+    lines = ["## Where the effect lives (exploratory, ours)", "",
+             f"Search space `{space.name}` (digest `{space.digest}`): the same choices as the identification search, "
+             f"searched for the trajectory effect itself: fade600 zero minus the larger of forced_zero zero and "
+             f"hard_switch600 zero, the unforced model relying on its prior (zero gate at most .15 on every seed). "
+             f"{len(done)} candidates measured ({sum(c.n_seeds >= space.seeds for c in done)} on {space.seeds} seeds); "
+             f"{len(big)} show an effect of at least .15 with the unforced model relying on its prior. These runs "
+             "are exploratory: no record covers them and none enters a verdict table. The paper's pattern: fade600 zero "
+             f"{pat['fade600']:g} against forced_zero {pat['forced_zero']:g} and hard_switch600 {pat['hard_switch600']:g} "
+             f"(an effect of {pat['fade600'] - max(pat['forced_zero'], pat['hard_switch600']):.3f}).", "",
+             f"The {min(top, len(ranked))} largest effects (means over the seeds measured), with the identification "
+             "rows these runs also measure beside the paper's values "
+             f"(unforced normal {u_n.paper if u_n else '-'}, unforced zero {u_z.paper if u_z else '-'}):", "",
+             "| id | seeds | effect | fade600 zero | forced_zero zero | hard_switch600 zero | unforced normal | "
+             "unforced zero | candidate |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in ranked[:top]:
+        m = c.means
+        lines.append(f"| {c.cid} | {c.n_seeds} | {trajectory_effect(m):+.3f} | " + " | ".join(
+            f"{m[k]:.3f}" for k in keys) + f" | {m.get('unforced|normal', float('nan')):.3f} | "
+            f"{m.get('unforced|zero', float('nan')):.3f} | {c.label} |")
+    return "\n".join(lines)
 
 
 def _fades(space, store, cands, steps):
@@ -215,6 +284,7 @@ def write_calibration(doc, source, space, out, *, steps=None) -> bool:
         from ..report import splice_into_doc
         splice_into_doc(doc, f"calibration-record-{space.task}", _record_md(rec))
     update_doc(doc, space, source, cands, steps=steps, figure=files.get("figure"))
+    write_sections(space, source, cands, out, steps=steps)
     return True
 
 

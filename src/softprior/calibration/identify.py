@@ -22,7 +22,7 @@ from ..tiers import MATCH_Z, rows_for
 from .search import REGISTER_SEEDS, completed_file, with_completed
 
 __all__ = ["MIN_SET", "REGISTER_SEEDS", "row_values", "matched_rows", "hard_ok", "identified", "identified_at",
-           "identified_set", "identification_block", "complete", "length_reading", "with_completed", "member_entry", "conflicts"]
+           "identified_set", "identification_block", "complete", "length_reading", "member_table", "results_section", "with_completed", "member_entry", "conflicts"]
 
 MIN_SET = 10
 
@@ -206,26 +206,29 @@ def length_variants(store, cfg, length: int = 120) -> dict[str, tuple[float, flo
     return out
 
 
-def length_means(space, store, c, seeds: int = 3) -> dict[str, tuple[float, float]] | None:
+def length_means(space, store, c, seeds: int = 3, steps=None) -> dict[str, tuple[float, float]] | None:
     """One candidate's unforced runs at T = 120 under each of ``LENGTH_VARIANTS``: (mean accuracy over
     the seeds stored, Bayes ceiling); None if none is stored."""
     from .search import candidate_configs
     from .criteria import Row
-    got = [length_variants(store, cfg) for _, _, cfg in candidate_configs(
-        space, c.task_options, c.model_options, range(seeds), rows=[Row(path="unforced")]) if store.is_done(cfg.run_id)]
+    from ..bundle import ask
+    got = [{n: tuple(v) for n, v in ask(store, "length_variants", {"run_id": cfg.run_id},
+                                        lambda cfg=cfg: length_variants(store, cfg)).items()}
+           for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, range(seeds),
+                                             rows=[Row(path="unforced")], steps=steps) if store.is_done(cfg.run_id)]
     if not got:
         return None
     return {n: (sum(g[n][0] for g in got) / len(got), got[0][n][1]) for n in LENGTH_VARIANTS}
 
 
-def length_reading(space, store, members, seeds: int = 3) -> dict:
+def length_reading(space, store, members, seeds: int = 3, steps=None) -> dict:
     """Which reading of the paper's length test (soft_bias at T = 120: .263) the identified set supports:
     per reading, the mean over the members of their unforced accuracy at T = 120, and the reading
     nearest the paper's value. An identification row only (the same weights read three ways), decided
     at registration and kept in the record; nothing is trained under it."""
     from ..tiers import IDENTIFICATION
     paper = next((r.paper for r in IDENTIFICATION if r.task == space.task and r.read == "T=120"), None)
-    per = [m for m in (length_means(space, store, c, seeds) for c in members) if m] if paper is not None else []
+    per = [m for m in (length_means(space, store, c, seeds, steps) for c in members) if m] if paper is not None else []
     if not per:
         return {}
     means = {n: round(sum(m[n][0] for m in per) / len(per), 4) for n in LENGTH_VARIANTS}
@@ -233,7 +236,7 @@ def length_reading(space, store, members, seeds: int = 3) -> dict:
             "chosen": min(LENGTH_VARIANTS, key=lambda n: abs(means[n] - paper))}
 
 
-def length_block(space, store, cands, seeds: int = 3) -> str:
+def length_block(space, store, cands, seeds: int = 3, steps=None) -> str:
     """The identified set's unforced runs at T = 120 under each length reading, beside the paper's .263."""
     members = identified_set(space, cands)
     which = "The identified set's"
@@ -244,8 +247,52 @@ def length_block(space, store, cands, seeds: int = 3) -> str:
              "soft_bias .263). Accuracy, mean over the seeds measured, and the task's Bayes ceiling at that length.",
              "", "| id | " + " | ".join(LENGTH_VARIANTS) + " |", "|---|" + "---|" * len(LENGTH_VARIANTS)]
     for c in members:
-        got = length_means(space, store, c, seeds)
+        got = length_means(space, store, c, seeds, steps)
         if got:
             lines.append(f"| {c.cid} | " + " | ".join(f"{got[n][0]:.3f} (ceiling {got[n][1]:.3f})"
                                                        for n in LENGTH_VARIANTS) + " |")
+    return "\n".join(lines)
+
+
+def member_table(space, c) -> str:
+    """One configuration's identification rows beside the paper's values: the mean over its seeds,
+    the distance in units of the row's scale, matched or not."""
+    rows = {r.name: r for r in rows_for(space.task)}
+    vals = row_values(space, c)
+    lines = ["| identification row | paper | measured (seeds) | distance (scale) | matched |", "|---|---|---|---|---|"]
+    for n, r in _checks(space, c).items():
+        paper = _paper(rows[n]) if n in rows else "-"
+        if r is None:
+            lines.append(f"| {n} | {paper} | not measured | - | - |")
+            continue
+        scale = f"{rows[n].scale:g}" if n in rows else "bound"
+        lines.append(f"| {n} | {paper} | {r.mean:.3f} ({len(vals[n])}) | {r.gap:.1f} ({scale}) | "
+                     f"{'yes' if r.ok else '**no**'} |")
+    return "\n".join(lines)
+
+
+def results_section(space, store, cands, robustness: str, sensitivity: str, steps=None) -> str:
+    """The identification round for docs/RESULTS.md (written beside the search's outputs as
+    ``identified.md``): the best identified configuration's rows beside the paper's, the length test
+    read three ways, the robustness map over the identified set and the sensitivity table."""
+    members = identified_set(space, cands)
+    if not members:
+        return ""
+    best = members[0]
+    five = bool(identified_at(space, cands))
+    lines = [f"## The identified model (ours: `docs/CALIBRATION.md`, \"Identification\")", "",
+             f"Search space `{space.name}` (digest `{space.digest}`): {sum(c.status != 'infeasible' for c in cands)} "
+             f"candidates measured; the identified set is {len(members)} configurations"
+             f"{' measured on five seeds' if five else ' (not yet measured on five seeds: not registered)'}. "
+             "Every identification row of the best one beside the paper's value (`src/softprior/tiers.py`):", "",
+             f"Best identified configuration `{best.cid}`: {best.label}.", "", member_table(space, best), ""]
+    lm = length_means(space, store, best, steps=steps)
+    if lm:
+        lines += ["Its unforced runs at T = 120 under each reading of the length test (the same weights; the "
+                  "paper: soft_bias .263): " + "; ".join(f"{n} {a:.3f} (ceiling {ceil:.3f})" for n, (a, ceil)
+                                                         in lm.items()) + ".", ""]
+    lines += ["### The trajectory claims on every identified configuration", "", robustness, "",
+              "### Sensitivity", "", sensitivity, "",
+              "A marginal view over the identified set, not a factorial design: an axis value held by few "
+              "configurations says little.", ""]
     return "\n".join(lines)
