@@ -246,3 +246,20 @@ def test_an_identification_candidate_goes_on_to_all_seeds_when_its_hard_constrai
     assert promote(space, crit, res, {})  # the rows may conflict: only the constraints decide
     broken = [c.check([0.5]) if c.scale is None and "unforced normal" in c.name else r for c, r in zip(crit, res)]
     assert not promote(space, crit, broken, {})
+
+
+def test_robustness_trains_the_fades_other_starts_and_shapes_on_the_wide_best_only(monkeypatch, tmp_path):
+    import softprior.executors
+    from softprior.calibration import robustness as R
+    space = load_space("assoc_recall_identify")
+    cands = [_cand(space, i, {}, True, float(i)) for i in range(4)]
+    monkeypatch.setattr(R, "store_records", lambda root: [{"space_digest": space.digest}])
+    monkeypatch.setattr(R, "mapped", lambda space, cands: cands)
+    trained = []
+    monkeypatch.setattr(softprior.executors, "execute", lambda cfgs, store, **kw: trained.append(len(cfgs)))
+    store = type("Store", (), {"root": tmp_path})()
+    for wide in (0, 1, 3):
+        R.run_robustness(space, store, cands, wide=wide, all_fade=False)
+    base = len(R.prediction_rows("assoc_recall", True)) * space.seeds
+    more = len(R.prediction_rows("assoc_recall", True, wide=True)) * space.seeds
+    assert more > base and trained == [4 * base, 3 * base + more, base + 3 * more]

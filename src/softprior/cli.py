@@ -490,6 +490,16 @@ def _refuse_dirty_training(cfgs, store, exploratory: bool) -> None:
                        "commit first, or pass --exploratory")
 
 
+def _nonneg_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {v!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {n}")
+    return n
+
+
 def _group_arg(v: str) -> int | str:
     """--group: a positive int or 'auto'."""
     if v == "auto":
@@ -603,7 +613,7 @@ def cmd_calibrate(args) -> int:
     if args.robustness:
         rep = run_robustness(space, store, cands, executor=args.executor, workers=args.workers,
                              group_size=args.group, progress=not args.no_progress, steps=args.steps,
-                             all_fade=args.fade_points)
+                             all_fade=args.fade_points, **({} if args.wide is None else {"wide": args.wide}))
         print(rep.line(), file=sys.stderr)
     if bundle is not None:  # the same outputs and blocks, written through the bundle (bundle.add_part)
         from .bundle import add_part
@@ -1002,6 +1012,9 @@ def _add_calibrate_parser(sub) -> None:
                    "candidate (needs a registered record) and count the claims")
     c.add_argument("--complete", type=int, default=5, metavar="K",
                    help="with --register, when no candidate passes: measure the K nearest on every seed first")
+    c.add_argument("--wide", type=_nonneg_int, default=None, metavar="N",
+                   help="with --robustness on an identified set: the N best configurations also train the fade's "
+                   "other starts and shapes (default 3; 0 first, then 3, trains the whole map before them)")
     c.add_argument("--fade-points", action=argparse.BooleanOptionalAction, default=True,
                    help="with --robustness: also fade600 at seed 0 on every candidate, for the figure")
     c.add_argument("--store", default="runs")

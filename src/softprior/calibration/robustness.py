@@ -91,8 +91,9 @@ def mapped(space, cands, limit: int = 10):
 
 
 def run_robustness(space, store, cands, *, executor="local", workers=1, group_size=6, progress=True,
-                   steps: int | None = None, all_fade: bool = True):
-    """Train the map's rows. Refuses unless a calibration record of this space is registered."""
+                   steps: int | None = None, all_fade: bool = True, wide: int = TOP_WIDE):
+    """Train the map's rows (an identified set's ``wide`` best configurations also the fade's other
+    starts and shapes). Refuses unless a calibration record of this space is registered."""
     from ..executors import execute
     from ..preregistration import CalibrationMissing
     if not any(r.get("space_digest") == space.digest for r in store_records(store.root)):
@@ -101,7 +102,7 @@ def run_robustness(space, store, cands, *, executor="local", workers=1, group_si
     seeds = list(range(space.seeds))
     cfgs = []
     for i, c in enumerate(mapped(space, cands)):
-        rows = prediction_rows(space.task, space.identify, wide=space.identify and i < TOP_WIDE)
+        rows = prediction_rows(space.task, space.identify, wide=space.identify and i < wide)
         cfgs += [cfg for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, seeds,
                                                         rows=rows, steps=steps)]
     if all_fade and not space.identify:  # an identified set trains no trajectory row outside it
