@@ -263,3 +263,46 @@ def test_robustness_trains_the_fades_other_starts_and_shapes_on_the_wide_best_on
     base = len(R.prediction_rows("assoc_recall", True)) * space.seeds
     more = len(R.prediction_rows("assoc_recall", True, wide=True)) * space.seeds
     assert more > base and trained == [4 * base, 3 * base + more, base + 3 * more]
+
+
+_EFFECT = """
+name = "tiny_effect"
+task = "assoc_recall"
+sampler = "grid"
+seeds = 2
+first_seeds = 1
+effect = true
+[base.task]
+keys = "replacement"
+layout = "pool"
+n_keys = 10
+n_pairs = 6
+[axes]
+"model.content_rank" = [0]
+"model.gate_logit_init" = [0.0, -2.0]
+"""
+
+
+def test_an_effect_search_measures_the_trajectory_effect_in_its_own_store_and_shows_its_largest(tmp_path):
+    """The exploratory effect search (no record: its trajectory rows are trained anyway, and never enter a
+    verdict table): per candidate fade600, forced_zero and hard_switch600 at the zero gate, the effect
+    their means give, and its section for RESULTS.md."""
+    from softprior.calibration import load_space
+    from softprior.calibration.criteria import trajectory_effect
+    from softprior.calibration.doc import effect_section
+    from softprior.calibration.search import load_candidates
+    from softprior.store import RunStore
+    (tmp_path / "space.toml").write_text(_EFFECT)
+    r = _cli(tmp_path, "--budget", "2", "--doc", str(tmp_path / "doc.md"))
+    assert r.returncode == 0, r.stderr
+    space = load_space(str(tmp_path / "space.toml"))
+    cands = load_candidates(space, RunStore(tmp_path / "runs"))
+    assert len(cands) == 2 and all(f"{p}|zero" in c.means for c in cands for p in ("fade600", "forced_zero",
+                                                                                      "hard_switch600"))
+    effects = sorted((trajectory_effect(c.means) for c in cands), reverse=True)
+    section = (tmp_path / "out" / "effect.md").read_text()
+    assert section == effect_section(space, cands).rstrip() + "\n" and "exploratory" in section
+    assert f"| {effects[0]:+.3f} |" in section.split("| candidate |")[1].splitlines()[2]
+    assert not list((tmp_path / "runs").glob("calibration/*.json"))  # nothing registered
+    doc = (tmp_path / "doc.md").read_text()  # its candidates, and no claim's verdict read from its runs
+    assert "<!-- table:calibration-tiny_effect -->" in doc and "robustness-tiny_effect" not in doc

@@ -153,6 +153,8 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
     if space.identify:
         from .identify import identification_block
         splice_into_doc(doc, f"identification-{space.name}", identification_block(space, cands))
+    if space.effect:  # exploratory: no verdict of any claim is read from its runs (effect_section shows them)
+        return
     splice_into_doc(doc, f"robustness-{space.name}", robustness_block(space, store, cands, steps=steps, doc=doc,
                                                                       figure=figure))
     if space.identify:
