@@ -176,7 +176,8 @@ def _recorded_into_a_bundle_and_regenerated_from_it(tmp_path):
     out = tmp_path / "results" / "calibration" / "tiny_identify"
     section = (out / "identified.md").read_text()
     assert "Best identified configuration" in section and "| forced_const0.5 base normal | 0.164 ± 0.003 |" in section
-    assert search_sections(tmp_path / "results")[0] == section.strip()
+    assert search_sections(tmp_path / "results", ["tiny_identify"])[0] == section.strip()
+    assert search_sections(tmp_path / "results", []) == []  # a search not written with the report: not shown
     written = {p: p.read_text() for p in [tmp_path / "cal.md", out / "identified.md", out / "candidates.md"]}
     shutil.rmtree(tmp_path / "runs")
     for p in written:

@@ -1,4 +1,4 @@
-"""A calibration record proves its age and its claims (``records.age_problems``, ``claims.changed_claims``):
+"""A calibration record proves its age and its claims (``preregistration.age_problems``, ``claims.changed_claims``):
 each forgery below is refused with one line naming the record's file."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Layout (``FORMAT`` 1; ``BundleSource`` refuses any other)::
                                   ``records``: each record's hash -> the start time of the first
                                   prediction row the store trained under it (``first_row``, Unix
                                   seconds; null: none), the clock a report checks a record's age by
-                                  outside git (``records.age_problems``)
+                                  outside git (``preregistration.age_problems``)
     bundle/parts/NAME.json        per experiment (and ``calibration-SPACE``): every run it asked about
                                   (done or not), its derived answers (kind, key, value), its frames
     bundle/summaries/RUN_ID.json  a finished run's summary (no weights)
@@ -153,8 +153,8 @@ class Recorder:
     same values. Attributes it does not define (``root``, ``load_model``, ``load_snapshots``: what a
     computation reads) are the store's. ``close`` writes the part and the records its runs name."""
 
-    def __init__(self, source, bundle_dir: str | Path, part: str):
-        self._source, self._dir, self._part = source, Path(bundle_dir), part
+    def __init__(self, source, bundle_dir: str | Path, part: str, keep: bool = False):
+        self._source, self._dir, self._part, self._keep = source, Path(bundle_dir), part, keep
         self._asked: dict[str, bool] = {}
         self._runs: dict[str, dict] = {}
         self._curves: dict[str, dict] = {}
@@ -173,8 +173,12 @@ class Recorder:
 
     def _run(self, run_id: str) -> dict:
         if run_id not in self._runs:
-            text = _dump_lines(self._source.summary(run_id))
-            _replace_file(self._dir / "summaries" / f"{run_id}.json", text)
+            f = self._dir / "summaries" / f"{run_id}.json"
+            if self._keep and f.is_file():  # a run the bundle holds already (its numbers depend on its config alone)
+                text = f.read_text()
+            else:
+                text = _dump_lines(self._source.summary(run_id))
+                _replace_file(f, text)
             self._runs[run_id] = json.loads(text)
             self._asked.setdefault(run_id, True)
         return self._runs[run_id]
@@ -261,19 +265,26 @@ class BundleWriter:
 
 
 def add_part(path: str | Path, source, part: str, write, *, space: str | None = None,
-             first_rows: dict[str, float | None] | None = None):
+             first_rows: dict[str, float | None] | None = None, doc: str | Path | None = None):
     """Record part ``part`` into the finished bundle at ``path`` from ``source``, a store other than
     the one the bundle was written from (a search's own store): ``write(recorder)`` asks its questions
     through a ``Recorder``; the part replaces an earlier part of that name, and the manifest lists
     ``space`` among its calibration spaces and every record the part holds, with the start of the first
     prediction row under it in ``source`` (``first_rows``: ``store.record_clock.first_rows``), the clock
-    a report outside git checks its age by. Returns what ``write`` returns. Written in place (a bundle
-    written whole is ``BundleWriter``'s): a part killed half-way is written again by the same command."""
+    a report outside git checks its age by; and ``doc`` as the calibration document where the manifest
+    names none. A run the bundle holds already keeps its summary. Returns what ``write`` returns; a
+    falsy answer (nothing to record) leaves the bundle as it was. Written in place (a bundle written
+    whole is ``BundleWriter``'s): a part killed half-way is written again by the same command."""
     root = find_bundle(path)
     manifest = _manifest(root)
-    rec = Recorder(source, root, part)
+    rec = Recorder(source, root, part, keep=True)
     result = write(rec)
+    if not result:
+        return result
     rec.close()
+    docs = manifest.setdefault("docs", {})
+    if doc is not None and not docs.get("calibration"):
+        docs["calibration"] = Path(os.path.relpath(Path(doc).resolve(), root.parent.resolve())).as_posix()
     named = {r.get("calibration") for r in rec._runs.values()} - {None, ""}
     listed = manifest.setdefault("records", {})
     for h in sorted(named):
@@ -407,7 +418,7 @@ class BundleSource:
         return out
 
     def calibration_records(self) -> list[dict]:
-        """The records the bundle holds, each verified (``records.read_record``: a forged or edited one
+        """The records the bundle holds, each verified (``preregistration.read_record``: a forged or edited one
         is refused, naming its file)."""
         from .preregistration import read_record
         return [read_record(f) for f in sorted((self.root / "records").glob("*.json"))]

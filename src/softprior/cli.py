@@ -418,7 +418,7 @@ def _paper(args, train: bool) -> int:
     written = write_calibration_docs(store, cal_doc, out, spaces, bundle=writer.dir if writer else None) \
         if cal_doc else []
     started, t0 = time.time(), time.perf_counter()
-    write_results_doc(out, doc, names=[e.name for e, _ in exps])
+    write_results_doc(out, doc, names=[e.name for e, _ in exps], spaces=written)
     _record_report(store, "RESULTS.md", started, time.perf_counter() - t0, 0)
     if readme:  # the verdicts at a glance, generated from the same tables
         from .paper import load_tables, verdict_summary
@@ -619,11 +619,11 @@ def cmd_calibrate(args) -> int:
         from .bundle import add_part
         from .calibration.doc import write_calibration
         from .store.record_clock import first_rows
+        if not cands:
+            raise CliError(f"search space {space.name!r} was never searched in store {args.store!r}: nothing to record")
         add_part(args.bundle, store, f"calibration-{space.name}",
                  lambda src: write_calibration(args.doc, src, space, out, steps=args.steps), space=space.name,
-                 first_rows=first_rows(store.index.rows()))
-        if not (out / "candidates.md").is_file():
-            raise CliError(f"search space {space.name!r} was never searched in store {args.store!r}: nothing to record")
+                 first_rows=first_rows(store.index.rows()), doc=args.doc)
         files = {f.name: f for f in sorted(out.iterdir()) if f.is_file()}
         print(f"recorded search {space.name} into the bundle {args.bundle}: `softprior report paper --from-bundle "
               f"{args.bundle}` writes RESULTS.md with it", file=sys.stderr)
@@ -633,8 +633,8 @@ def cmd_calibrate(args) -> int:
         files = write_outputs(space, cands, out, fade)
         if args.doc:
             from .calibration.doc import update_doc
-            update_doc(args.doc, space, store, cands, steps=args.steps, figure=files.get("figure"))
-        write_sections(space, store, cands, out, steps=args.steps)
+            blocks = update_doc(args.doc, space, store, cands, steps=args.steps, figure=files.get("figure"))
+            write_sections(space, store, cands, out, blocks, steps=args.steps)
     print((out / "candidates.md").read_text())
     best = choose(cands)
     n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible")}

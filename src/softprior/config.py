@@ -125,7 +125,7 @@ def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "
                     baseline: str | None = None, calibrated: bool = True, **overrides) -> RunConfig:
     """Build a RunConfig from names (as the CLI does) plus overrides. ``baseline`` (one of
     ``softprior.baselines.BASELINES``) sets the model's positional scheme and the path.
-    ``calibrated``: start from the task's pre-registered calibration (``records.default_options``, from
+    ``calibrated``: start from the task's pre-registered calibration (``preregistration.default_options``, from
     ``calibration/registered``; True) or from the plain config defaults (False: the first version's task
     and initialisation)."""
     if isinstance(task, str) and calibrated:  # the task's pre-registered calibration is the default

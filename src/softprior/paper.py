@@ -251,14 +251,18 @@ def identification_table(tables, params: dict[str, float] | None = None) -> str:
     return "\n".join(lines)
 
 
-def search_sections(results_dir: str | Path) -> list[str]:
-    """The sections a search writes for RESULTS.md beside its outputs (``calibration.doc.write_sections``):
-    every identification search's ``identified.md``, then every effect search's ``effect.md``."""
+def search_sections(results_dir: str | Path, spaces) -> list[str]:
+    """The sections the searches ``spaces`` wrote for RESULTS.md beside their outputs
+    (``calibration.doc.write_sections``): each identification search's ``identified.md``, then each
+    effect search's ``effect.md``. Only those written with this report, so RESULTS.md never shows a
+    section its bundle could not give back."""
     root = Path(results_dir) / "calibration"
     out = []
     for name in ("identified.md", "effect.md"):
-        for f in sorted(root.glob(f"*/{name}")):
-            out += [f.read_text().strip(), ""]
+        for space in spaces:
+            f = root / Path(str(space)).stem / name
+            if f.is_file():
+                out += [f.read_text().strip(), ""]
     return out
 
 
@@ -301,13 +305,14 @@ def formation_summary(results_dir: str | Path, names=None) -> str:
     return "\n".join(lines) if len(lines) > n else ""
 
 
-def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extra: str = "") -> str:
-    """Generate ``doc`` (the whole file) from the tables under ``results_dir``."""
+def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extra: str = "", spaces=()) -> str:
+    """Generate ``doc`` (the whole file) from the tables under ``results_dir`` and the sections of the
+    searches ``spaces`` (written with them: ``search_sections``)."""
     results_dir = Path(results_dir)
     tables = load_tables(results_dir)
     formation = formation_summary(results_dir, names)
     parts = [_HEAD, verdict_table(tables, results_dir), "", _ID_HEAD, identification_table(tables, default_params()),
-             ""] + search_sections(results_dir) + ([formation, ""] if formation else [])
+             ""] + search_sections(results_dir, spaces) + ([formation, ""] if formation else [])
     notes = results_dir / "NOTES.md"  # prose that explains the tables (no numbers: those come from them)
     if notes.exists():
         parts += [notes.read_text().strip(), ""]

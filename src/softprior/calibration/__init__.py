@@ -4,7 +4,7 @@ difficulty rows alone, pre-registered, then a robustness map of the paper's clai
 - ``criteria``: the difficulty criteria, as data (the claims: ``softprior.claims``);
 - ``space``: search spaces (TOML / JSON, pydantic-validated; shipped defaults in ``spaces/``);
 - ``search``: the Optuna search over candidates, run through the project's executors;
-- ``record``: pre-registration records and the store's refusal of unregistered prediction rows;
+- ``register``: pre-registration records and the store's refusal of unregistered prediction rows;
 - ``robustness``: the prediction rows of every passing candidate, the claim counts;
 - ``report``: the table, figure and ``docs/CALIBRATION.md``.
 """

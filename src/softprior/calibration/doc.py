@@ -109,11 +109,20 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
         dest.write_text(json.dumps(rec, indent=1, sort_keys=True))
     if doc:
         from ..report import splice_into_doc
-        splice_into_doc(doc, f"calibration-record-{space.name}", _record_md(rec) + "\n" + "\n".join(
-            f"- member {e['cid']}: hard constraints {'held' if e['hard_constraints'] else 'broken'}, "
-            f"{sum(bool(r['matched']) for r in e['rows'].values())}/{len(e['rows'])} rows matched, "
-            f"distance {e['distance']:.1f}" for e in entries))
+        splice_into_doc(doc, *record_block(space, rec))
     return rec
+
+
+def record_block(space, rec: dict) -> tuple[str, str]:
+    """(block name, markdown) of a space's registered record in docs/CALIBRATION.md: a task's record
+    (``calibration-record-TASK``), or an identified set's, with a line per member
+    (``calibration-record-SPACE``)."""
+    if "identified" not in rec:
+        return f"calibration-record-{space.task}", _record_md(rec)
+    return f"calibration-record-{space.name}", _record_md(rec) + "\n" + "\n".join(
+        f"- member {e['cid']}: hard constraints {'held' if e['hard_constraints'] else 'broken'}, "
+        f"{sum(bool(r['matched']) for r in e['rows'].values())}/{len(e['rows'])} rows matched, "
+        f"distance {e['distance']:.1f}" for e in rec["identified"])
 
 
 def _record_md(rec: dict) -> str:
@@ -139,7 +148,9 @@ def _mapped_rows(rows) -> str:
     return f"rows {', '.join(keys)}" if keys else "no prediction rows (the claims read the difficulty rows)"
 
 
-def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
+def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> dict[str, str]:
+    """Splice a search's generated blocks into ``doc``; returns the robustness and sensitivity blocks
+    (by kind), which RESULTS.md's section of the search shows too (``write_sections``)."""
     from ..report import splice_into_doc
     n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible", "interrupted")}
     head = [f"Search space `{space.name}` (digest `{space.digest}`, sampler {space.sampler}, "
@@ -154,20 +165,30 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> None:
         from .identify import identification_block
         splice_into_doc(doc, f"identification-{space.name}", identification_block(space, cands))
     if space.effect:  # exploratory: no verdict of any claim is read from its runs (effect_section shows them)
-        return
-    splice_into_doc(doc, f"robustness-{space.name}", robustness_block(space, store, cands, steps=steps, doc=doc,
-                                                                      figure=figure))
+        return {}
+    blocks = {"robustness": robustness_block(space, store, cands, steps=steps)}
+    splice_into_doc(doc, f"robustness-{space.name}", blocks["robustness"] + _figure_link(doc, figure))
     if space.identify:
         from .robustness import sensitivity_block
-        splice_into_doc(doc, f"sensitivity-{space.name}", sensitivity_block(space, store, cands, steps=steps))
+        blocks["sensitivity"] = sensitivity_block(space, store, cands, steps=steps)
+        splice_into_doc(doc, f"sensitivity-{space.name}", blocks["sensitivity"])
         if space.task == "assoc_recall":
             from .identify import length_block
             splice_into_doc(doc, f"length-{space.name}", length_block(space, store, cands, steps=steps))
+    return blocks
 
 
-def robustness_block(space, store, cands, *, steps=None, doc=None, figure=None) -> str:
+def _figure_link(doc, figure) -> str:
+    if not figure:
+        return ""
+    import os
+    rel = os.path.relpath(Path(figure).resolve(), Path(doc).resolve().parent)
+    return f"\n\n![candidates]({Path(rel).as_posix()})"
+
+
+def robustness_block(space, store, cands, *, steps=None) -> str:
     """The robustness map: per claim, on how many mapped configurations it is reproduced, and the
-    verdict on each (with ``figure``, a link to the candidates' figure relative to ``doc``)."""
+    verdict on each."""
     counts = claim_counts(space, store, cands, steps=steps)
     m = mapped(space, cands)
     passing = [c for c in cands if c.status == "passes"]
@@ -184,23 +205,18 @@ def robustness_block(space, store, cands, *, steps=None, doc=None, figure=None) 
         lines.append(f"| {cl.statement} | {pred} | {yes} | {tot} | {per} |")
     lines += ["", "y: reproduced on that configuration (every condition's 95% interval over its seeds on its side), "
               "n: not, ~: inconclusive, ?: not measured (`softprior.claims`)."]
-    if figure and doc:
-        import os
-        rel = os.path.relpath(Path(figure).resolve(), Path(doc).resolve().parent)
-        lines += ["", f"![candidates]({Path(rel).as_posix()})"]
     return "\n".join(lines)
 
 
-def write_sections(space, source, cands, out, *, steps=None) -> Path | None:
-    """What docs/RESULTS.md shows of a search (``paper.write_results_doc`` reads it from the results):
-    an identification search's ``identified.md`` (``identify.results_section``), an effect search's
-    ``effect.md`` (``effect_section``). None for other searches, or before there is anything to show."""
+def write_sections(space, source, cands, out, blocks: dict, *, steps=None) -> Path | None:
+    """What docs/RESULTS.md shows of a search (``paper.search_sections`` reads it from the results): an
+    identification search's ``identified.md`` (``identify.results_section``, with the robustness and
+    sensitivity ``blocks`` that ``update_doc`` spliced), an effect search's ``effect.md``
+    (``effect_section``). None for other searches, or before there is anything to show."""
     if space.identify:
         from .identify import results_section
-        from .robustness import sensitivity_block
-        text = results_section(space, source, cands, robustness_block(space, source, cands, steps=steps),
-                               sensitivity_block(space, source, cands, steps=steps), steps=steps)
-        name = "identified.md"
+        text, name = results_section(space, source, cands, blocks.get("robustness", ""),
+                                     blocks.get("sensitivity", ""), steps=steps), "identified.md"
     elif space.effect:
         text, name = effect_section(space, cands), "effect.md"
     else:
@@ -284,9 +300,9 @@ def write_calibration(doc, source, space, out, *, steps=None) -> bool:
     files = write_outputs(space, cands, Path(out), fade)
     if rec is not None:
         from ..report import splice_into_doc
-        splice_into_doc(doc, f"calibration-record-{space.task}", _record_md(rec))
-    update_doc(doc, space, source, cands, steps=steps, figure=files.get("figure"))
-    write_sections(space, source, cands, out, steps=steps)
+        splice_into_doc(doc, *record_block(space, rec))
+    blocks = update_doc(doc, space, source, cands, steps=steps, figure=files.get("figure"))
+    write_sections(space, source, cands, out, blocks, steps=steps)
     return True
 
 

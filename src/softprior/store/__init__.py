@@ -187,7 +187,7 @@ class RunStore:
         return calibration_dir(self.root)
 
     def write_record(self, record: dict) -> Path:
-        """Write a calibration record (``records.save_record``: verified, seen by the store's clock,
+        """Write a calibration record (``record_clock.save_record``: verified, seen by the store's clock,
         refused if a prediction row it covers is already here)."""
         self._writable()
         return save_record(self.root, record)
@@ -197,12 +197,12 @@ class RunStore:
         return store_records(self.root)
 
     def covering_records(self, cfgs) -> dict[str, str | None]:
-        """Run id -> hash of the record that covers it by the store's clock (``records.covering_records``)."""
+        """Run id -> hash of the record that covers it by the store's clock (``record_clock.covering_records``)."""
         return covering_records(cfgs, self.root)
 
     def check_calibrated(self, cfgs) -> dict[str, str]:
         """Run id -> record hash of every prediction row among ``cfgs``; ``CalibrationMissing`` for the first
-        one no record covers (``records.check_calibrated``)."""
+        one no record covers (``record_clock.check_calibrated``)."""
         return check_calibrated(cfgs, self.root)
 
     def write_calibration_file(self, name: str, text: str) -> Path:

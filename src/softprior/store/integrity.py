@@ -21,7 +21,7 @@ index's ``files`` table, in the same transaction that marks the run done. ``veri
   clock (its index's ``record_sightings`` and ``runs.record``), a store record first seen after a
   prediction row it covers had started (added after the fact), and a finished run that ran under a
   record the store does not hold, first saw only after the run started, or whose keys do not cover it;
-  each record's age (``records.age_problems``: ``registered_at`` no later than the first prediction row
+  each record's age (``preregistration.age_problems``: ``registered_at`` no later than the first prediction row
   it covers and, for a shipped record in a git checkout, its first commit with its present content
   between the two); and a record whose registered claims differ from today's declaration
   (``claims.changed_claims``: listed as changed claims, whose verdicts the reports refuse; not damage

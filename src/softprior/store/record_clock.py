@@ -217,7 +217,7 @@ def first_rows(rows: Iterable[dict]) -> dict[str, float]:
 
 def check_ages(first: dict[str, float | None], own: Iterable[tuple[str, dict]] = ()) -> None:
     """``RecordRefused`` (one line naming the file) for the first record among the package's (and
-    ``own``: (file, record) pairs, a store's or a bundle's) whose age ``records.age_problems`` refuses,
+    ``own``: (file, record) pairs, a store's or a bundle's) whose age ``preregistration.age_problems`` refuses,
     for the hashes of ``first`` (hash -> its first prediction row's start, None: none yet)."""
     shipped = [(f"{REGISTERED}/{Path(str(f)).name}", read_record(f)) for f in shipped_files()]
     problems = age_problems(first, [*shipped, *own])
