@@ -307,3 +307,31 @@ def test_an_effect_search_measures_the_trajectory_effect_in_its_own_store_and_sh
     assert not list((tmp_path / "runs").glob("calibration/*.json"))  # nothing registered
     doc = (tmp_path / "doc.md").read_text()  # its candidates, and no claim's verdict read from its runs
     assert "<!-- table:calibration-tiny_effect -->" in doc and "robustness-tiny_effect" not in doc
+
+
+def test_completion_measures_on_five_seeds_only_candidates_whose_hard_constraints_hold_so_far(monkeypatch, tmp_path):
+    """A candidate already broken on one seed cannot hold on five: completion never measures it (the
+    search's non-learners match many rows and would rank first among the broken). One that breaks on a
+    further seed drops out and nothing else is left: completion stops."""
+    import softprior.executors
+    from softprior.calibration import identify, search
+    space = load_space("assoc_recall_identify")
+    good = [_cand(space, i, {}, True, float(i)) for i in range(3)]
+    broken = [_cand(space, 10 + i, {}, False, 0.0) for i in range(3)]
+    for c in good + broken:
+        c.n_seeds = 1
+    measured = []
+
+    def keep(space, store, f, todo, seeds, steps):
+        for c in todo:
+            c.n_seeds = len(seeds)
+            measured.append(c.cid)
+            if c is good[0]:  # a rare failure on a further seed
+                c.checks = {n: False for n in c.checks}
+    monkeypatch.setattr(softprior.executors, "execute", lambda cfgs, store, **kw: None)
+    monkeypatch.setattr(search, "keep_measurements", keep)
+    monkeypatch.setattr(identify, "with_completed", lambda space, store, cands: cands)
+    monkeypatch.setattr(identify, "completed_file", lambda space, store: tmp_path / "completed.json")
+    identify.complete(space, None, good + broken, k=3, log=lambda m: None)
+    assert sorted(measured) == sorted(c.cid for c in good)
+    assert [c.cid for c in identify.identified_at(space, good + broken, k=3)] == [good[1].cid, good[2].cid, good[0].cid]

@@ -140,9 +140,11 @@ def conflicts(space, cands) -> list[tuple[str, str, int, int, int]]:
 def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **execute_kw) -> list:
     """Measure the best candidates (ranked on the seeds the search measured them on: three, or one if it
     pruned them) on ``REGISTER_SEEDS`` seeds until ``k``
-    of them hold the hard constraints on all five, or no candidate is left. A candidate that three seeds
-    put near the top but five do not (a rare failure three cannot see) drops out, and the next is
-    measured. Resumable: the measurements are kept beside the study."""
+    of them hold the hard constraints on all five, or no candidate is left that holds them on the seeds
+    measured so far (one broken seed already rules out five). A candidate that three seeds put near the
+    top but five do not (a rare failure three cannot see) drops out, and the next is measured; the
+    identified set is then the ``k`` best measured on five seeds (``identified``). Resumable: the
+    measurements are kept beside the study."""
     from ..executors import execute
     from .search import candidate_configs, keep_measurements
     seeds = list(range(REGISTER_SEEDS))
@@ -151,7 +153,7 @@ def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **
         cands = with_completed(space, store, cands)
         pool = sorted([c for c in cands if c.status in ("passes", "fails", "pruned")], key=lambda c: _rank(space, c))
         held = [c for c in pool if c.n_seeds >= REGISTER_SEEDS and hard_ok(space, c)]
-        todo = [c for c in pool if c.n_seeds < REGISTER_SEEDS][:max(0, k - len(held))]
+        todo = [c for c in pool if c.n_seeds < REGISTER_SEEDS and hard_ok(space, c)][:max(0, k - len(held))]
         if not todo:
             return cands
         log(f"identify: measuring {len(todo)} candidate(s) on {REGISTER_SEEDS} seeds: {', '.join(c.cid for c in todo)}")
