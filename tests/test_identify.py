@@ -335,3 +335,16 @@ def test_completion_measures_on_five_seeds_only_candidates_whose_hard_constraint
     identify.complete(space, None, good + broken, k=3, log=lambda m: None)
     assert sorted(measured) == sorted(c.cid for c in good)
     assert [c.cid for c in identify.identified_at(space, good + broken, k=3)] == [good[1].cid, good[2].cid, good[0].cid]
+
+
+def test_an_identified_sets_tables_hold_every_claim_it_maps_the_constant_gate_and_the_fade_window_too():
+    """The map of an identified set decides every claim whose cells are base rows (``map_claims``), not only
+    the difficulty search's: their cells must be filled from the candidate's values, else they read as
+    not measured."""
+    from softprior.calibration.robustness import candidate_tables, claim_rows
+    space = load_space("assoc_recall_identify")
+    c = _cand(space, 1, {}, True, 1.0)
+    vals = {f"{r.key}|{g}": [0.1, 0.2, 0.3] for r in claim_rows("assoc_recall", True, wide=True) for g in ("normal", "zero")}
+    t = candidate_tables(space, c, vals)
+    assert t["paths"][("forced_const0.5", "base normal")] == pytest.approx(0.2)
+    assert t["fade_window"][("fade400", "zero", "n")] == 3.0

@@ -130,7 +130,7 @@ def candidate_tables(space, c, values: dict[str, list[float]]) -> dict:
     """The mapped claims' cells for one candidate, in the shape ``claims.verdicts`` reads
     (experiment -> (row, column[, key]) -> value), from its per-seed values."""
     tables: dict = {}
-    for cl in claims_for_task(space.task):
+    for cl in map_claims(space.task, space.identify, wide=True):
         for cond in cl.conditions:
             cells = [(cond.row, cond.column)] + ([cond.other] if cond.other else [])
             for (rname, col), (path, opts, gates) in zip(cells, cond.as_row() or []):
