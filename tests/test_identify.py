@@ -317,7 +317,7 @@ def test_completion_measures_on_five_seeds_only_candidates_whose_hard_constraint
     from softprior.calibration import identify, search
     space = load_space("assoc_recall_identify")
     good = [_cand(space, i, {}, True, float(i)) for i in range(3)]
-    broken = [_cand(space, 10 + i, {}, False, 0.0) for i in range(3)]
+    broken = [_cand(space, 10 + i, {"unforced base normal": 0.2}, False, 0.0) for i in range(3)]  # never learns
     for c in good + broken:
         c.n_seeds = 1
     measured = []
@@ -335,6 +335,14 @@ def test_completion_measures_on_five_seeds_only_candidates_whose_hard_constraint
     identify.complete(space, None, good + broken, k=3, log=lambda m: None)
     assert sorted(measured) == sorted(c.cid for c in good)
     assert [c.cid for c in identify.identified_at(space, good + broken, k=3)] == [good[1].cid, good[2].cid, good[0].cid]
+    # fewer than k can hold: the least broken fill the set (held on its one seed, though broken on another
+    # constraint's aggregate, before those broken on every seed)
+    near = _cand(space, 20, {}, False, 9.0)  # its one seed within every per-seed bound
+    near.n_seeds = 1
+    assert identify.seeds_held(space, near) == 1.0 and identify.seeds_held(space, broken[0]) == 0.0
+    measured.clear()
+    identify.complete(space, None, good + broken + [near], k=5, log=lambda m: None)
+    assert measured[0] == near.cid and len(measured) == 2 and measured[1] in {c.cid for c in broken}
 
 
 def test_an_identified_sets_tables_hold_every_claim_it_maps_the_constant_gate_and_the_fade_window_too():

@@ -60,6 +60,17 @@ def _rank(space, cand):
     return (not hard_ok(space, cand), -sum(bool(x) for x in m.values()), d, cand.cid)
 
 
+def seeds_held(space, cand) -> float:
+    """The share of a candidate's measured seeds on which every per-seed difficulty constraint holds
+    (a candidate broken on one seed of five is nearer than one that never learns)."""
+    hard = [c for c in space.criteria() if c.scale is None]
+    per = [cand.values.get(f"{c.row.key}|{c.gates}", []) for c in hard]
+    n = min((len(v) for v in per), default=0)
+    if not n:
+        return 0.0
+    return sum(all(c.check([v[i]]).ok for c, v in zip(hard, per)) for i in range(n)) / n
+
+
 def identified(space, cands, k: int = MIN_SET) -> list:
     """The identified set (module docstring), best first: candidates measured on every seed only."""
     full = [c for c in cands if c.n_seeds >= space.seeds and c.status in ("passes", "fails")]
@@ -142,20 +153,29 @@ def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **
     pruned them) on ``REGISTER_SEEDS`` seeds until ``k``
     of them hold the hard constraints on all five, or no candidate is left that holds them on the seeds
     measured so far (one broken seed already rules out five). A candidate that three seeds put near the
-    top but five do not (a rare failure three cannot see) drops out, and the next is measured; the
-    identified set is then the ``k`` best measured on five seeds (``identified``). Resumable: the
-    measurements are kept beside the study."""
+    top but five do not (a rare failure three cannot see) drops out, and the next is measured. If fewer
+    than ``k`` are then measured on five seeds, the least broken of the rest (``seeds_held``, then the
+    rank) fill them up to ``k``: the identified set is the ``k`` best measured on five seeds
+    (``identified``). Resumable: the measurements are kept beside the study."""
     from ..executors import execute
     from .search import candidate_configs, keep_measurements
     seeds = list(range(REGISTER_SEEDS))
     f = completed_file(space, store)
+    tried: set[str] = set()
     while True:
         cands = with_completed(space, store, cands)
         pool = sorted([c for c in cands if c.status in ("passes", "fails", "pruned")], key=lambda c: _rank(space, c))
         held = [c for c in pool if c.n_seeds >= REGISTER_SEEDS and hard_ok(space, c)]
-        todo = [c for c in pool if c.n_seeds < REGISTER_SEEDS and hard_ok(space, c)][:max(0, k - len(held))]
+        todo = [c for c in pool if c.n_seeds < REGISTER_SEEDS and hard_ok(space, c) and c.cid not in tried]
+        todo = todo[:max(0, k - len(held))]
+        if not todo:  # none left that can hold on five: the least broken fill the set up to k (``identified``)
+            full = sum(c.n_seeds >= REGISTER_SEEDS for c in pool)
+            rest = sorted([c for c in pool if c.n_seeds < REGISTER_SEEDS and c.cid not in tried],
+                          key=lambda c: (-seeds_held(space, c), _rank(space, c)))
+            todo = rest[:max(0, k - full)]
         if not todo:
             return cands
+        tried |= {c.cid for c in todo}  # a candidate whose runs failed is not measured again and again
         log(f"identify: measuring {len(todo)} candidate(s) on {REGISTER_SEEDS} seeds: {', '.join(c.cid for c in todo)}")
         cfgs = [cfg for c in todo for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, seeds,
                                                                     steps=steps)]
