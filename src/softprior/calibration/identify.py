@@ -248,9 +248,14 @@ def length_reading(space, store, members, seeds: int = 3, steps=None) -> dict:
     per reading, the mean over the members of their unforced accuracy at T = 120, and the reading
     nearest the paper's value. An identification row only (the same weights read three ways), decided
     at registration and kept in the record; nothing is trained under it."""
+    return _reading(space, [length_means(space, store, c, seeds, steps) for c in members])
+
+
+def _reading(space, per: list) -> dict:
+    """``length_reading`` from the members' ``length_means`` (None where nothing is stored)."""
     from ..tiers import IDENTIFICATION
     paper = next((r.paper for r in IDENTIFICATION if r.task == space.task and r.read == "T=120"), None)
-    per = [m for m in (length_means(space, store, c, seeds, steps) for c in members) if m] if paper is not None else []
+    per = [m for m in per if m] if paper is not None else []
     if not per:
         return {}
     means = {n: round(sum(m[n][0] for m in per) / len(per), 4) for n in LENGTH_VARIANTS}
@@ -308,12 +313,13 @@ def results_section(space, store, cands, robustness: str, sensitivity: str, step
              f"{' measured on five seeds' if five else ' (not yet measured on five seeds: not registered)'}. "
              "Every identification row of the best one beside the paper's value (`src/softprior/tiers.py`):", "",
              f"Best identified configuration `{best.cid}`: {best.label}.", "", member_table(space, best), ""]
-    lm = length_means(space, store, best, steps=steps)
+    per = [length_means(space, store, c, steps=steps) for c in members]  # each member's runs read once
+    lm = per[0]
     if lm:
         lines += ["The row at T = 120 reads B^pos clipped past the training length. Its unforced runs under each "
                   "reading of the length test (the same weights; the paper: soft_bias .263): "
                   + "; ".join(f"{n} {a:.3f} (ceiling {ceil:.3f})" for n, (a, ceil) in lm.items()) + "."]
-        lr = length_reading(space, store, members, steps=steps)
+        lr = _reading(space, per)
         if lr:
             lines += [f"Over the identified set ({lr['members']} configurations) the readings average "
                       + ", ".join(f"{n} {v:.3f}" for n, v in lr["means"].items())
