@@ -78,6 +78,36 @@ def test_fast_forward_matches_the_readable_model_in_logits_and_gradients(task, g
     _assert_same_logits_and_gradients(fast, ref, params, models)
 
 
+@pytest.mark.parametrize("task", ["assoc_recall", "linear_icl", "markov-determined"])
+@pytest.mark.parametrize("norm,attn_scale", [("none", "inverse_sqrt"), ("pre", "one"), ("none", "inverse")])
+def test_fast_forward_without_layernorm_or_with_another_attention_scale_matches(task, norm, attn_scale):
+    """The identification search's architecture axes on the fast path: no LayerNorm (ones and zeros
+    folded in), and 1/d_head or 1 on Q K^T, against the readable model."""
+    task_name, _, variant = task.partition("-")
+    cfgs = [make_run_config(task_name, "unforced", s, calibrated=False,
+                            task_options=dict(loss_on=variant) if variant else None,
+                            model_options=dict(norm=norm, attn_scale=attn_scale)) for s in range(2)]
+    assert supports(cfgs[0].model)
+    models = [build_model(c).double() for c in cfgs]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for m in models:
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    inputs, pos, params = _batch_and_params(cfgs, models)
+    g_all = torch.sigmoid(params["gate_logits"])
+    L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
+    fast = fast_forward(params, cfgs[0].model, inputs, g_all[:, 0].expand(2, L, H), g_all[:, 1].expand(2, L, H), pos)
+    ref = torch.stack([m(inputs, positions=pos) for m in models])
+    _assert_same_logits_and_gradients(fast, ref, params, models)
+
+
+def test_post_layernorm_runs_in_the_readable_model():
+    cfg = make_run_config("assoc_recall", "unforced", 0, model_options=dict(norm="post"))
+    assert not supports(cfg.model)
+    assert supports(cfg.model.model_copy(update=dict(norm="pre")))
+
+
 def test_model_forward_uses_the_readable_model_for_hooks():
     # an additive bias, nothing, an absolute table, a rotation, a contextual logit or pattern
     for name in FAST_SCHEMES + CONTEXTUAL_SCHEMES:

@@ -14,12 +14,12 @@ from softprior.model import ModelConfig, SoftPriorTransformer  # noqa: E402
 VOCAB, NCTX = 20, 16
 
 
-def random_model(dtype=torch.float64, granularity="head", seed=0) -> SoftPriorTransformer:
+def random_model(dtype=torch.float64, granularity="head", seed=0, **extra) -> SoftPriorTransformer:
     """Random weights with everything the conversion must carry: non-trivial B^pos on both layers,
     large content factors, non-unit LayerNorm weights and biases, per-head gate logits."""
     torch.manual_seed(seed)
     cfg = ModelConfig(n_layers=2, n_heads=4, d_model=32, n_ctx=NCTX, vocab=VOCAB, content_rank=2,
-                      content_init_std=0.3, gate_granularity=granularity, prior_layers=(0, 1), prior_scale=0.3)
+                      content_init_std=0.3, gate_granularity=granularity, prior_layers=(0, 1), prior_scale=0.3, **extra)
     m = SoftPriorTransformer(cfg)
     with torch.no_grad():
         m.gate_logits.normal_(0.0, 1.5)
@@ -173,6 +173,20 @@ def test_load_refuses_other_files(tmp_path):
     save_file({"a": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not a softprior"):
         load_transformer_lens(tmp_path / "other.safetensors")
+
+
+@pytest.mark.parametrize("attn_scale", ["inverse", "one"])
+def test_another_attention_scale_exports_as_transformer_lens_attn_scale(attn_scale):
+    m, x = random_model(attn_scale=attn_scale), tokens()
+    torch.testing.assert_close(theirs(to_hooked_transformer(m, (0.5, 0.3)), x), ours(m, x, (0.5, 0.3)),
+                               rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("norm", ["post", "none"])
+def test_models_not_pre_layernorm_are_refused(norm):
+    m = SoftPriorTransformer(ModelConfig(n_ctx=NCTX, vocab=VOCAB, norm=norm))
+    with pytest.raises(ValueError, match=f"norm='{norm}'"):
+        to_hooked_transformer(m)
 
 
 def test_static_positional_baselines_are_refused():

@@ -462,3 +462,46 @@ def test_content_rank_zero_adds_no_parameters_for_the_content_bias():
     # then B^pos (2 x 4 x 32), three LayerNorms (3 x 128) and two gates: 35,460
     assert SoftPriorTransformer(ModelConfig(content_rank=0, gate_granularity="shared")).n_params() == 34816 + 256 + 384 + 2
     assert SoftPriorTransformer(ModelConfig(content_rank=2, gate_granularity="shared")).n_params() == 35458 + 2 * 2 * 4 * 2 * 64
+
+
+def test_layernorm_placement_changes_where_the_stream_is_normalised():
+    """pre: resid_post = resid_pre + attn(LN(resid_pre)); post: resid_post = LN(resid_pre + attn(resid_pre)),
+    no final LayerNorm; none: no LayerNorm anywhere (the parameters of three LayerNorms, 3 x 2 x 64, gone)."""
+    from softprior.model import SoftPriorTransformer
+    from softprior.model_config import ModelConfig
+    base = SoftPriorTransformer(ModelConfig(content_rank=0, gate_granularity="shared")).n_params()
+    assert SoftPriorTransformer(ModelConfig(content_rank=0, gate_granularity="shared", norm="none")).n_params() == base - 384
+    # post: two block LayerNorms, no final one
+    assert SoftPriorTransformer(ModelConfig(content_rank=0, gate_granularity="shared", norm="post")).n_params() == base - 128
+    x = torch.randint(0, 32, (3, 32), generator=torch.Generator().manual_seed(0))
+    for norm in ("post", "none"):
+        torch.manual_seed(0)
+        m = SoftPriorTransformer(ModelConfig(norm=norm))
+        with torch.no_grad():
+            out, c = m.run_with_cache(x, 0.4, 0.6)
+        for l in range(2):
+            s = c[f"blocks.{l}.hook_resid_pre"] + c[f"blocks.{l}.hook_attn_out"]
+            if norm == "post":  # LayerNorm by hand: zero mean, unit variance (eps 1e-5), then its affine
+                ln = m.blocks[l].ln
+                s = (s - s.mean(-1, keepdim=True)) / torch.sqrt(s.var(-1, unbiased=False, keepdim=True) + 1e-5)
+                s = s * ln.weight + ln.bias
+            torch.testing.assert_close(c[f"blocks.{l}.hook_resid_post"], s, atol=1e-5, rtol=1e-4)
+        # no final LayerNorm: the unembedding reads the last block's output
+        torch.testing.assert_close(out, c["blocks.1.hook_resid_post"] @ m.embed.weight.T)
+
+
+@pytest.mark.parametrize("scale,factor", [("inverse_sqrt", 1 / 4), ("inverse", 1 / 16), ("one", 1.0)])
+def test_attention_scale_multiplies_q_k(scale, factor):
+    """d_head = 16: the logits are factor * q.k + g_pos B^pos + g_content B^content."""
+    from softprior.model import SoftPriorTransformer
+    from softprior.model_config import ModelConfig
+    torch.manual_seed(0)
+    m = SoftPriorTransformer(ModelConfig(attn_scale=scale))
+    x = torch.randint(0, 32, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, c = m.run_with_cache(x, 0.3, 0.7)
+    causal = torch.tril(torch.ones(32, 32, dtype=torch.bool))
+    a = "blocks.0.attn."
+    s = factor * torch.einsum("bihe,bjhe->bhij", c[a + "hook_q"], c[a + "hook_k"]) \
+        + 0.3 * c[a + "hook_pos_bias"][None] + 0.7 * c[a + "hook_content_bias"]
+    torch.testing.assert_close(c[a + "hook_attn_scores"][..., causal], s[..., causal], atol=1e-4, rtol=1e-5)

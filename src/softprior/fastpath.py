@@ -71,7 +71,6 @@ active hooks) goes through the readable model (``supports``).
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -89,8 +88,10 @@ __all__ = ["supports", "fast_forward", "stacked_params", "model_forward"]
 def supports(cfg: ModelConfig) -> bool:
     """Whether ``fast_forward`` computes this model (else use the readable model): no positional
     scheme, or one the fast path implements (``_scheme_kind``), and the paper's own prior family
-    (``prior_family="soft"``; a registered family runs in the readable model, ``softprior.priors``)."""
-    return getattr(cfg, "prior_family", "soft") == "soft" and _scheme_kind(cfg.positional) != "unsupported"
+    (``prior_family="soft"``; a registered family runs in the readable model, ``softprior.priors``), with
+    its LayerNorms before the attention or none (post-LayerNorm runs in the readable model)."""
+    return (getattr(cfg, "prior_family", "soft") == "soft" and _scheme_kind(cfg.positional) != "unsupported"
+            and cfg.norm != "post")
 
 
 @lru_cache(maxsize=None)
@@ -196,7 +197,7 @@ def _contextual_attention(params: dict, cfg: ModelConfig, layer: int, qe: torch.
     s = torch.bmm(qe, ke.transpose(1, 2)).view(K, H, B, T, T).transpose(1, 2)  # [K, B, H, T, T]: the scheme's layout
     q = k = None
     if _scheme_kind(cfg.positional) == "logits":  # the readable model passes the unscaled q (and k)
-        q = qe.view(K, H, B, T, e)[..., :dh].transpose(1, 2) * math.sqrt(dh)
+        q = qe.view(K, H, B, T, e)[..., :dh].transpose(1, 2) * cfg.qk_unscale
         k = ke.view(K, H, B, T, e)[..., :dh].transpose(1, 2)
     p = _scheme_pattern(params, cfg, layer, s, q, k, bias, kpos, kpos)
     return torch.bmm(p.transpose(1, 2).reshape(K * H * B, T, T), v)
@@ -325,14 +326,14 @@ class _Attention(torch.autograd.Function):
 
 
 @lru_cache(maxsize=16)
-def _head_columns(d: int, H: int, dh: int, r: int, device: torch.device):
+def _head_columns(d: int, H: int, dh: int, r: int, qs: float, device: torch.device):
     """The in_proj rows (stored Q | K | V | U | W) in per-head order [Q_h, U_h, K_h, W_h, V_h]
-    (``perm``, [H * (2 dh + 2 r + dh)]), the constant part of their per-row scale (1/sqrt(dh) on
-    Q rows, 1 on K, W, V rows, 0 on U rows) and a mask of the U rows (which take the content gate)."""
+    (``perm``, [H * (2 dh + 2 r + dh)]), the constant part of their per-row scale (``qs``, the factor on
+    Q K^T, on Q rows, 1 on K, W, V rows, 0 on U rows) and a mask of the U rows (which take the content gate)."""
     Q, Kb, Vb, U, Wb = 0, d, 2 * d, 3 * d, 3 * d + H * r
     rows, const, umask = [], [], []
     for h in range(H):
-        for start, n, c, u in ((Q + h * dh, dh, 1.0 / math.sqrt(dh), 0.0), (U + h * r, r, 0.0, 1.0),
+        for start, n, c, u in ((Q + h * dh, dh, qs, 0.0), (U + h * r, r, 0.0, 1.0),
                                (Kb + h * dh, dh, 1.0, 0.0), (Wb + h * r, r, 1.0, 0.0), (Vb + h * dh, dh, 1.0, 0.0)):
             rows += range(start, start + n)
             const += [c] * n
@@ -342,10 +343,10 @@ def _head_columns(d: int, H: int, dh: int, r: int, device: torch.device):
             torch.tensor(umask, device=device).view(H, w))
 
 
-def _per_head_rows(W: torch.Tensor, g_content: torch.Tensor, d: int, H: int, dh: int, r: int):
+def _per_head_rows(W: torch.Tensor, g_content: torch.Tensor, cfg: ModelConfig):
     """in_proj rows in per-head order [Q_h, U_h, K_h, W_h, V_h] ([K, H*w, d], one ``index_select``)
-    and their scale ([K, H*w]: 1/sqrt(dh) on Q rows, the head's content gate on U rows, 1 elsewhere)."""
-    perm, const, umask = _head_columns(d, H, dh, r, W.device)
+    and their scale ([K, H*w]: the factor on Q K^T on Q rows, the head's content gate on U rows, 1 elsewhere)."""
+    perm, const, umask = _head_columns(cfg.d_model, cfg.n_heads, cfg.d_head, cfg.content_rank, cfg.qk_scale, W.device)
     K = W.shape[0]
     return W.index_select(1, perm), torch.addcmul(const, g_content[:, :, None], umask).view(K, -1)
 
@@ -364,6 +365,21 @@ def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def _layer_norm(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], eps=1e-5)
+
+
+def _normed(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """A block's LayerNorm without its affine (folded into the projections, point 1), or x itself
+    for a model without LayerNorms (``norm="none"``)."""
+    return _layer_norm(x) if cfg.norm == "pre" else x
+
+
+def _ln_affine(params: dict, cfg: ModelConfig, pre: str, like: torch.Tensor):
+    """A block's LayerNorm weight and bias [K, d]; a model without LayerNorms folds in ones and zeros
+    (exact: the products equal the plain projection's)."""
+    if cfg.norm == "pre":
+        return params[pre + "ln.weight"], params[pre + "ln.bias"]
+    K, d = like.shape[0], cfg.d_model
+    return like.new_ones(K, d), like.new_zeros(K, d)
 
 
 def _bmv(A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -476,9 +492,10 @@ def _vocab_heads(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torch.Tenso
     pre, e = f"blocks.{l}.", dh + r
     E = params["embed.weight"]
     V = E.shape[1]
-    W_p, scale = _per_head_rows(params[pre + "attn.in_proj.weight"], gc, d, H, dh, r)
+    W_p, scale = _per_head_rows(params[pre + "attn.in_proj.weight"], gc, cfg)
     w = 2 * e + dh
-    rows = torch.addcmul(params[pre + "ln.bias"][:, None, :], _layer_norm(E), params[pre + "ln.weight"][:, None, :])
+    ln_w, ln_b = _ln_affine(params, cfg, pre, E)
+    rows = torch.addcmul(ln_b[:, None, :], _normed(cfg, E), ln_w[:, None, :])
     tab = torch.bmm(rows, W_p.transpose(1, 2)) * scale[:, None, :]  # [K, V, H*w]
     tab = tab.view(K, V, H, w).transpose(1, 2)  # [K, H, V, w]
     hidx = c.inputs.unsqueeze(1) + (torch.arange(K * H, device=c.inputs.device) * V).view(K, H, 1, 1)  # [K, H, B, T]
@@ -491,11 +508,11 @@ def _plain_heads(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torch.Tenso
     the in_proj rows in per-head order, scaled, the LayerNorm affine folded in (points 1, 2)."""
     K, B, T, H, d, dh, r = c.K, c.B, c.T, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
     pre, e = f"blocks.{l}.", dh + r
-    ln_w, ln_b = params[pre + "ln.weight"], params[pre + "ln.bias"]  # [K, d]
-    W_p, scale = _per_head_rows(params[pre + "attn.in_proj.weight"], gc, d, H, dh, r)
+    ln_w, ln_b = _ln_affine(params, cfg, pre, x)  # [K, d]
+    W_p, scale = _per_head_rows(params[pre + "attn.in_proj.weight"], gc, cfg)
     Wh = (W_p * scale[:, :, None]).view(K, H, -1, d)
     W_qu, W_kw, W_v = (Wh[:, :, a:b].reshape(K, -1, d) for a, b in ((0, e), (e, 2 * e), (2 * e, None)))
-    n = _layer_norm(x)  # [K, B*T, d] (the affine part is folded into the weights)
+    n = _normed(cfg, x)  # [K, B*T, d] (the affine part is folded into the weights)
 
     def heads(Wr, width):  # three projections of one n: slicing a fused output costs more
         y = _proj(n, Wr, ln_w, ln_b).view(K, B, T, H, width)
@@ -529,14 +546,14 @@ def _reassociated_layer(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torc
     K, B, T, P, pos = c.K, c.B, c.T, len(c.pos), c.pos
     H, d, dh, r = cfg.n_heads, cfg.d_model, cfg.d_head, cfg.content_rank
     pre, e = f"blocks.{l}.", dh + r
-    ln_w, ln_b = params[pre + "ln.weight"], params[pre + "ln.bias"]  # [K, d]
+    ln_w, ln_b = _ln_affine(params, cfg, pre, x)  # [K, d]
     W_out = params[pre + "attn.out_proj.weight"]  # [K, d, d]
-    W_p, scale = _per_head_rows(params[pre + "attn.in_proj.weight"], gc, d, H, dh, r)
+    W_p, scale = _per_head_rows(params[pre + "attn.in_proj.weight"], gc, cfg)
     w = 2 * e + dh
     Wp = W_p * scale[:, :, None]
     Wn = (Wp * ln_w[:, None, :]).view(K, H, w, d)
     bn = _bmv(Wp, ln_b[:, :, None]).view(K, H, w)  # each row applied to the LN bias
-    n4 = _layer_norm(x).view(K, B, T, d)
+    n4 = _normed(cfg, x).view(K, B, T, d)
     qa = torch.baddbmm(bn.view(K, 1, H * w), _take(n4, pos).reshape(K, B * P, d),
                        Wn.view(K, H * w, d).transpose(1, 2))  # [K, B*P, H*w]: all rows, P positions
     q = qa.view(K, B * P, H, w)[..., :e].transpose(1, 2).reshape(K * H, B * P, e)
@@ -553,7 +570,7 @@ def _reassociated_layer(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torc
             # formed here (neither scheme reads k)
             const = torch.bmm(q, bn[:, :, e:2 * e].reshape(K * H, e, 1))  # [K*H, B*P, 1]
             s = s + const.view(K, H, B, P, 1).transpose(1, 2)
-            qs = q.view(K, H, B, P, e)[..., :dh].transpose(1, 2) * math.sqrt(dh)
+            qs = q.view(K, H, B, P, e)[..., :dh].transpose(1, 2) * cfg.qk_unscale
         # a mixed pattern's rows still sum to 1 (GPSA renormalises), so the values re-associate as before
         pm = _scheme_pattern(params, cfg, l, s, qs, None, bias, torch.tensor(pos, device=x.device), c.kpos)
     else:
@@ -570,9 +587,11 @@ def _reassociated_layer(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torc
 def _readout(params: dict, cfg: ModelConfig, c: _Ctx, x: torch.Tensor) -> torch.Tensor:
     """The final LayerNorm of the loss positions' x [K, B*P, d] and the tied unembedding (or the vector
     read-out): [K, B, P, .]."""
-    n = _layer_norm(x)  # [K, B*P, d]
-    wf, bf = params["ln_final.weight"], params["ln_final.bias"]
-    n = torch.addcmul(bf[:, None, :], n, wf[:, None, :])  # only B*P rows: the affine is cheaper here than folded
+    if cfg.norm == "none":
+        n = x
+    else:
+        wf, bf = params["ln_final.weight"], params["ln_final.bias"]
+        n = torch.addcmul(bf[:, None, :], _layer_norm(x), wf[:, None, :])  # B*P rows: the affine is cheaper here than folded
     if cfg.d_in is None:
         out = torch.bmm(n, params["embed.weight"].transpose(1, 2))  # tied unembedding
     else:

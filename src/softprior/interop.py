@@ -75,6 +75,9 @@ def _check_token_model(cfg: ModelConfig):
     if scheme != "none":
         raise ExportError(f"TransformerLens export supports the soft-prior model only, not the static "
                          f"positional baseline {scheme!r}")
+    if cfg.norm != "pre":
+        raise ExportError(f"TransformerLens export supports pre-LayerNorm models only, not norm={cfg.norm!r} "
+                          "(the content prior reads each block's ln1)")
 
 
 def tl_config_dict(cfg: ModelConfig, n_ctx: int | None = None, dtype: torch.dtype = torch.float32) -> dict:
@@ -82,7 +85,8 @@ def tl_config_dict(cfg: ModelConfig, n_ctx: int | None = None, dtype: torch.dtyp
     the model's) only sets the longest input TransformerLens accepts (the W_pos table is zero)."""
     _check_token_model(cfg)
     return dict(n_layers=cfg.n_layers, d_model=cfg.d_model, d_head=cfg.d_head, n_heads=cfg.n_heads,
-                n_ctx=int(n_ctx or cfg.n_ctx), d_vocab=cfg.vocab, attn_only=True, normalization_type="LN",
+                n_ctx=int(n_ctx or cfg.n_ctx), d_vocab=cfg.vocab, attn_only=True,
+                normalization_type="LN", attn_scale=cfg.qk_unscale,
                 positional_embedding_type="standard", eps=1e-5, default_prepend_bos=False,
                 dtype=str(dtype).replace("torch.", ""), model_name="softprior")
 

@@ -2,12 +2,15 @@
 
 A causal, attention-only Transformer: token embedding, L blocks of pre-LayerNorm multi-head
 self-attention with residual connections, a final LayerNorm, and an unembedding tied to the token
-embedding. There is no positional encoding other than the priors, so at zero gate this is a plain
+embedding. The paper does not say where its LayerNorms sit: ``norm="post"`` normalises after each
+residual add instead (the original Transformer's placement; no final LayerNorm), ``norm="none"`` has
+none (docs/CALIBRATION.md, "Identification": both are axes of the identification search). There is no positional encoding other than the priors, so at zero gate this is a plain
 causal NoPE attention-only Transformer. Attention logits of head h (the paper's equation):
 
     S_ij = Q_i K_j^T / sqrt(d_head) + g_pos * B^pos_h[i - j] + g_content * B^content_h(x_i, x_j)
 
-then the causal mask, then softmax.
+then the causal mask, then softmax. ``attn_scale`` may replace the paper's 1/sqrt(d_head) by 1/d_head
+(muP's) or 1, an axis of the identification search.
 
 - B^pos is a learned table over relative offsets 0..n_ctx-1 per head and layer. Offsets at or beyond
   n_ctx (only at evaluation lengths > n_ctx) are clipped to the last learned offset, or carry no bias
@@ -36,7 +39,6 @@ logits instead, so the replacement enters the equation exactly where B^content d
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable, Iterable
 
 import torch
@@ -199,11 +201,11 @@ class Attention(nn.Module):
         # B^content = (x U)(x V)^T folded into the same matmul:  [Q/sqrt(d_head), g_content xU] . [K, xV]^T.
         # The causal mask (0 / -inf) rides along with the (batch-independent) position bias.
         if b_content is None:
-            q_ext = torch.cat([q * (1.0 / math.sqrt(dh)), g_content.view(H, 1, 1) * u], dim=-1)  # (B, H, Tq, dh+r)
+            q_ext = torch.cat([q * cfg.qk_scale, g_content.view(H, 1, 1) * u], dim=-1)  # (B, H, Tq, dh+r)
             k_ext = torch.cat([k, w], dim=-1)  # (B, H, T, dh+r)
             scores = q_ext @ k_ext.transpose(-1, -2)
         else:  # the same equation, unfused, with the hook's B^content
-            scores = (q * (1.0 / math.sqrt(dh))) @ k.transpose(-1, -2) + g_content.view(H, 1, 1) * b_content
+            scores = (q * cfg.qk_scale) @ k.transpose(-1, -2) + g_content.view(H, 1, 1) * b_content
         if self.scheme is not None:  # static baselines (whose soft prior is off) adjust the content logits
             scores = self.scheme.adjust_logits(scores, q, k, qpos, kpos)
         scores = hk(pre + "hook_attn_scores", scores + (g_pos.view(H, 1, 1) * b_pos + causal))
@@ -223,16 +225,19 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self._hooks = [hooks]
-        self.ln = nn.LayerNorm(cfg.d_model)
+        self.norm = cfg.norm
+        if cfg.norm != "none":
+            self.ln = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg, layer, hooks)
 
     def forward(self, x, g_pos, g_content, positions=None):
         hk, pre = self._hooks[0], f"blocks.{self.layer}."
         x = hk(pre + "hook_resid_pre", x)
-        a = hk(pre + "hook_attn_out", self.attn(self.ln(x), g_pos, g_content, positions))
+        a = hk(pre + "hook_attn_out", self.attn(self.ln(x) if self.norm == "pre" else x, g_pos, g_content, positions))
         if positions is not None:
             x = x[:, positions]
-        return hk(pre + "hook_resid_post", x + a)
+        x = x + a
+        return hk(pre + "hook_resid_post", self.ln(x) if self.norm == "post" else x)
 
 
 class SoftPriorTransformer(nn.Module):
@@ -247,7 +252,8 @@ class SoftPriorTransformer(nn.Module):
         else:
             self.read_in = nn.Linear(cfg.d_in, d)
         self.blocks = nn.ModuleList(Block(cfg, l, self.hook_state) for l in range(cfg.n_layers))
-        self.ln_final = nn.LayerNorm(d)
+        # post: the last block's LayerNorm already normalised the stream; none: no LayerNorm
+        self.ln_final = nn.LayerNorm(d) if cfg.norm == "pre" else nn.Identity()
         if cfg.d_out is not None:
             self.read_out = nn.Linear(d, cfg.d_out)
         shape = {"shared": (1, 1), "layer": (cfg.n_layers, 1), "head": (cfg.n_layers, cfg.n_heads)}

@@ -4,6 +4,7 @@ paper's two sizes. Kept apart from ``model.py`` so that configs, run ids and lis
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -44,6 +45,12 @@ class ModelConfig(BaseModel):
     pos_beyond: Literal["clip", "zero"] = Field(
         "clip", description="B^pos at offsets >= n_ctx (evaluation lengths only): the last learned offset's "
         "value (clip) or no bias (zero)")
+    norm: Literal["pre", "post", "none"] = Field(
+        "pre", description="LayerNorm placement: before each attention block and the unembedding (pre), "
+        "after each residual add (post, the original Transformer's), or no LayerNorm (none)")
+    attn_scale: Literal["inverse_sqrt", "inverse", "one"] = Field(
+        "inverse_sqrt", description="the factor on Q K^T: 1/sqrt(d_head) (the paper's equation), 1/d_head "
+        "(muP's), or 1")
     prior: bool = Field(True, description="False: no soft prior (gates always 0), for static baselines")
     positional: str = Field("none", description="static positional scheme (softprior.positional), or none")
     prior_family: str = Field("soft", description="the prior's B^pos family (softprior.priors): soft, the paper's "
@@ -78,6 +85,16 @@ class ModelConfig(BaseModel):
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def qk_scale(self) -> float:
+        """The factor on Q K^T that ``attn_scale`` names."""
+        return {"inverse_sqrt": 1.0 / math.sqrt(self.d_head), "inverse": 1.0 / self.d_head, "one": 1.0}[self.attn_scale]
+
+    @property
+    def qk_unscale(self) -> float:
+        """1 / ``qk_scale``, as the fast path multiplies it back (sqrt(d_head) written as such: the same bits)."""
+        return {"inverse_sqrt": math.sqrt(self.d_head), "inverse": float(self.d_head), "one": 1.0}[self.attn_scale]
 
 
 MODEL_PRESETS = Registry("model", UnknownModelError, {
