@@ -494,3 +494,19 @@ def test_a_cached_rerun_draws_no_empty_bar_and_wrote_names_every_file(tmp_path, 
         named = set(wrote.split(": ", 1)[1].split(", "))
         on_disk = {p.name for p in (tmp_path / "out").iterdir()}
         assert named == on_disk and {"curves.png", "formation.csv", "figure.png"} <= named, (wrote, on_disk)
+
+
+def test_reproduce_an_experiment_on_another_record(tmp_path, capsys):
+    """``reproduce NAME --record R``: the runs and the table are the record's configuration (the
+    identified set's best: a prior on both layers); an unknown record is one line naming the shipped ones."""
+    from softprior.store import RunStore
+    out, store = tmp_path / "out", tmp_path / "runs"
+    assert main(["reproduce", "gate_interventions", "--quick", "--record", "identified-assoc_recall", "--store",
+                 str(store), "--out", str(out), "--no-progress", "--workers", "1", "--exploratory"]) == 0
+    s = RunStore(store)
+    cfgs = [s.load_config(r["run_id"]) for r in s.rows()]
+    assert cfgs and all(c.model.prior_layers == (0, 1) and c.model.content_rank == 0 for c in cfgs)
+    assert (out / "table.md").is_file()
+    capsys.readouterr()
+    assert main(["reproduce", "gate_interventions", "--quick", "--record", "nope", "--store", str(store)]) == 2
+    assert "identified-assoc_recall" in capsys.readouterr().err

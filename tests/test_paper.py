@@ -390,3 +390,31 @@ def test_identification_table_sets_each_static_row_beside_its_cell():
     assert "10.0%" in rows["linear_icl: soft_pos_only, t5, soft_bias, dape within 1.5%"]  # (.110 - .100) / .100
     assert rows["linear_icl: soft_pos_only, t5, soft_bias, dape within 1.5%"].endswith("| **no** |")
     assert "not measured" in rows["unforced large normal"]
+
+
+def test_the_paper_on_another_record_builds_its_tasks_cells_on_its_configuration():
+    """``Options.record``: every cell of the record's task takes the record's task and model options
+    (here the identified set's best: a bounded prior on both layers, scale 4, no content bias), cells of
+    the other tasks are dropped, and the shipped default is back afterwards."""
+    import json
+    from softprior.paper import ON_RECORD, paper_cells
+    from softprior.preregistration import UnknownRecordError
+    rec = json.loads((ROOT / "src/softprior/calibration/registered/identified-assoc_recall.json").read_text())
+    opts = Options(record="identified-assoc_recall")
+    exps = paper_cells(opts)
+    names = [e.name for e, _ in exps]
+    assert "continuation_trace" not in names and "markov_paths" not in names and "linear_paths" not in names
+    assert names == [n for n in ON_RECORD if n in names] and {"paths", "causal_controls", "static_baselines"} <= set(names)
+    soft = [c.cfg for _, cells in exps for c in cells if c.cfg.model.positional == "none" and c.cfg.model.prior]
+    assert soft and all(c.task.name == "assoc_recall" for _, cells in exps for c in (x.cfg for x in cells))
+    for cfg in soft:
+        for k, v in rec["model_options"].items():
+            assert getattr(cfg.model, k) == (tuple(v) if isinstance(v, list) else v), k
+        assert cfg.task.placement == rec["task_options"]["placement"]
+    assert {c.model.n_layers for c in soft} == {2, 4}  # Table 1's large column too
+    # the shipped default is back: a different configuration, so other run ids
+    plain = {c.cfg.run_id for c in get_experiment("removability").cells(Options())}
+    assert plain.isdisjoint(c.cfg.run_id for c in get_experiment("removability").cells(opts))
+    assert make_run_config("assoc_recall").model.prior_layers != tuple(rec["model_options"]["prior_layers"])
+    with pytest.raises(UnknownRecordError, match="identified-assoc_recall"):
+        Options(record="no-such-record")

@@ -312,10 +312,10 @@ def _experiment(args):
         load_plugin(f)
     exp = get_experiment(args.name)
     tasks = tuple(t.strip() for t in args.tasks.split(",")) if getattr(args, "tasks", None) is not None else None
-    opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks)
+    opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks, record=getattr(args, "record", None))
     if opts.seeds is not None and opts.seeds < 1:
         raise CliError(f"--seeds must be >= 1, got {opts.seeds}")
-    return exp, exp.build(opts)
+    return exp, exp.cells(opts)
 
 
 def _from_bundle(args):
@@ -328,9 +328,11 @@ def _from_bundle(args):
     m = source.manifest
     o = m["options"]
     opts = Options(seeds=o["seeds"], quick=o["quick"], tasks=tuple(o["tasks"]) if o["tasks"] is not None else None,
-                   extend=tuple(tuple(x) for x in o.get("extend", ())), extend_seeds=o.get("extend_seeds"))
+                   extend=tuple(tuple(x) for x in o.get("extend", ())), extend_seeds=o.get("extend_seeds"),
+                   record=o.get("record"))
     given = {"--seeds": (args.seeds, opts.seeds), "--tasks": (args.tasks and tuple(
-        t.strip() for t in args.tasks.split(",")), opts.tasks), "--quick": (args.quick or None, opts.quick or None)}
+        t.strip() for t in args.tasks.split(",")), opts.tasks), "--quick": (args.quick or None, opts.quick or None),
+        "--record": (getattr(args, "record", None), opts.record)}
     for flag, (mine, theirs) in given.items():
         if mine is not None and mine != theirs:
             raise CliError(f"{flag}: the bundle {str(source.root)!r} was written with {flag} {theirs!r}; "
@@ -357,8 +359,8 @@ def _paper(args, train: bool) -> int:
     from pathlib import Path
 
     from .experiments import Options, load_plugin
-    from .paper import (CALIBRATION_SPACES, OURS, PAPER, paper_cells, write_calibration_docs, write_reports,
-                        write_results_doc)
+    from .paper import (CALIBRATION_SPACES, ON_RECORD, OURS, PAPER, paper_cells, write_calibration_docs,
+                        write_reports, write_results_doc)
     from .report import check_clean
     for f in args.plugin or []:
         load_plugin(f)
@@ -375,8 +377,8 @@ def _paper(args, train: bool) -> int:
         bundle = None
     else:
         tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
-        opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks)
-        names, exploratory = PAPER + OURS, args.exploratory
+        opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks, record=args.record)
+        names, exploratory = (ON_RECORD if opts.record else PAPER + OURS), args.exploratory
         exps = paper_cells(opts, names)
         _check_outputs(args, "results")
         store = _store(args, read_only=not train)
@@ -438,6 +440,7 @@ def _paper(args, train: bool) -> int:
         writer.finish({"records": {h: {"first_row": first.get(h)} for h in held},
                        "options": {"seeds": opts.seeds, "quick": opts.quick,
                                    "tasks": list(opts.tasks) if opts.tasks is not None else None,
+                                   "record": opts.record,
                                    "extend": [list(x) for x in opts.extend], "extend_seeds": opts.extend_seeds},
                        "experiments": [e.name for e, _ in exps], "spaces": [{"name": s} for s in written],
                        "exploratory": bool(exploratory),
@@ -937,6 +940,10 @@ def _add_experiment_parsers(sub) -> None:
                           else ""))
         r.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default: the paper's)")
         r.add_argument("--tasks", default=None, help="comma-separated task filter (static_baselines)")
+        r.add_argument("--record", default=None, metavar="NAME",
+                       help="a shipped pre-registered record (src/softprior/calibration/registered/NAME.json, e.g. "
+                            "identified-assoc_recall) in place of its task's default: the cells of that task, "
+                            "built on its configuration (for 'paper': its experiments but the continuation trace)"),
         r.add_argument("--store", default="runs")
         r.add_argument("--quick", action="store_true", help="few steps and seeds: a smoke run")
         r.add_argument("--out", default=None, help="output directory (default results/NAME)")
@@ -1127,6 +1134,7 @@ _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.plugins", "PluginError"), ("softprior.calibration.space", "SpaceError"),
               ("softprior.study", "StudyError"), ("softprior.priors", "UnknownPriorError"),
               ("softprior.preregistration", "CalibrationMissing"),  # and RecordRefused, a subclass
+              ("softprior.preregistration", "UnknownRecordError"),
               ("softprior.report", "DirtyRunsRefused"), ("softprior.executors", "SettingError"),
               ("softprior.interop", "ExportError"), ("softprior.interop", "MissingExtraError"))
 

@@ -38,8 +38,14 @@ class Options:
     # more seeds (``paper.more_seeds``; read by ``paper.build_cells``, not by an experiment's build)
     extend: tuple[tuple[str, str, str], ...] = ()
     extend_seeds: int | None = None  # the seeds those cells run on (None: paper.MAX_SEEDS)
+    # a shipped pre-registered record (``registered/NAME.json``) in place of its task's default: the
+    # experiments' cells of that task, built on its configuration (``Experiment.cells``)
+    record: str | None = None
 
     def __post_init__(self):
+        if self.record is not None:
+            from .preregistration import record_named
+            record_named(self.record)  # UnknownRecordError names the shipped records
         if self.tasks is not None:
             allowed = list(dict.fromkeys([*TASK_VARIANTS, *(t for t, _ in TASK_VARIANTS.values())]))
             for t in self.tasks:
@@ -76,6 +82,15 @@ class Experiment:
     paper: dict[tuple[str, str], str] = field(default_factory=dict)  # (row, column label) -> paper value
     curves: bool = True  # also plot training curves per row
     analysis: Callable | None = None  # extra analysis (e.g. mechanism traces): f(store, cells, out_dir) -> md
+
+    def cells(self, opts: Options) -> list[Cell]:
+        """The cells under ``opts``; with ``opts.record``, those of the record's task, built with the
+        record's configuration as the task's default (``preregistration.use_record``)."""
+        if opts.record is None:
+            return self.build(opts)
+        from .preregistration import use_record
+        with use_record(opts.record) as rec:
+            return [c for c in self.build(opts) if c.cfg.task.name == rec["task"]]
 
 
 EXPERIMENTS: Registry[Experiment] = Registry("experiment", UnknownExperimentError, describe=lambda e: e.description)

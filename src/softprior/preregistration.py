@@ -51,6 +51,7 @@ Records prove themselves:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -60,6 +61,7 @@ from pathlib import Path
 from typing import Iterable
 
 __all__ = ["calibration_key", "shipped_records", "all_shipped_records", "find_record", "CalibrationMissing",
+           "record_named", "use_record", "UnknownRecordError",
            "RecordRefused", "DIFFICULTY_PATHS", "LATER_DEFAULTS", "default_options", "record_hash", "verify_record",
            "read_record", "shipped_files", "late_record_reason", "needs_record", "record_keys", "git_clock_problems",
            "HASH_SCHEME", "without_later_defaults", "first_commits", "age_problems", "package_repo", "registered_time", "REGISTERED"]
@@ -205,9 +207,48 @@ def all_shipped_records() -> list[dict]:
     return [read_record(f) for f in _shipped_files()]
 
 
+_IN_USE: dict[str, dict] = {}  # task -> the record ``use_record`` makes its default, while it is active
+
+
+def record_named(name: str) -> dict:
+    """The shipped record whose file is ``registered/NAME.json`` (a default, ``assoc_recall``, or a
+    superseded or further one, ``identified-assoc_recall``), verified; ``UnknownRecordError`` names the
+    shipped ones."""
+    for f in _shipped_files():
+        if Path(str(f)).stem == name:
+            return read_record(f)
+    raise UnknownRecordError(f"unknown record {name!r}; shipped: "
+                             + ", ".join(Path(str(f)).stem for f in _shipped_files()))
+
+
+class UnknownRecordError(ValueError):
+    pass
+
+
+@contextlib.contextmanager
+def use_record(name: str | None):
+    """Within: the shipped record ``name`` (``record_named``) is its task's default configuration
+    (``default_options``), so the paper's cells of that task are built on it (``experiments.Options.record``:
+    the paper's tables on another pre-registered configuration). ``None``: the shipped defaults."""
+    if name is None:
+        yield None
+        return
+    rec = record_named(name)
+    before = _IN_USE.get(rec["task"])
+    _IN_USE[rec["task"]] = rec
+    try:
+        yield rec
+    finally:
+        if before is None:
+            _IN_USE.pop(rec["task"], None)
+        else:
+            _IN_USE[rec["task"]] = before
+
+
 def default_options(task: str) -> tuple[dict, dict]:
-    """(task_options, model_options) of a task's shipped pre-registered default (empty if none)."""
-    rec = shipped_records().get(task)
+    """(task_options, model_options) of a task's shipped pre-registered default (empty if none), or of
+    the record ``use_record`` puts in its place."""
+    rec = _IN_USE.get(task) or shipped_records().get(task)
     if rec is None:
         return {}, {}
     m = {k: tuple(v) if k == "prior_layers" else v for k, v in rec["model_options"].items()}
