@@ -418,3 +418,23 @@ def test_the_paper_on_another_record_builds_its_tasks_cells_on_its_configuration
     assert make_run_config("assoc_recall").model.prior_layers != tuple(rec["model_options"]["prior_layers"])
     with pytest.raises(UnknownRecordError, match="identified-assoc_recall"):
         Options(record="no-such-record")
+
+
+def test_results_doc_sets_the_tables_on_another_record_beside_the_paper(tmp_path):
+    """``results/on_record/NAME`` (``reproduce paper --record NAME --out`` there) gets its own verdicts and
+    identification rows in RESULTS.md, its parameter counts those of the record's configuration."""
+    import shutil
+    from softprior.paper import on_record_sections
+    res = tmp_path / "results"
+    sub = res / "on_record" / "identified-assoc_recall"
+    for name in ("paths", "removability"):
+        (sub / name).mkdir(parents=True)
+        shutil.copy(ROOT / "docs" / "results" / name / "table.csv", sub / name / "table.csv")
+    text = "\n".join(on_record_sections(res, res / "RESULTS.md"))
+    assert "## The paper's tables on record `identified-assoc_recall`" in text
+    assert "(on_record/identified-assoc_recall/RESULTS.md)" in text
+    # the identified configuration has no content bias: 35,458 parameters at the base size (by hand in
+    # test_model: QKVO 34,816 + B^pos 256 on both layers + three LayerNorms 384 + two gates)
+    assert "| parameters base (K) | Sec. 3 | 35 | 35.458 |" in text
+    assert text.count("| **") >= 5  # a verdict per claim
+    assert on_record_sections(tmp_path / "nothing", tmp_path / "RESULTS.md") == []
