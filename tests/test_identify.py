@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -129,6 +130,8 @@ def test_identification_search_registers_its_set_on_five_seeds_and_covers_only_i
     assert r.returncode == 0, r.stderr
     r = _cli(tmp_path, "--register", "--doc", str(tmp_path / "doc.md"))
     assert r.returncode == 0, r.stderr
+    after = (tmp_path / "out" / "identified.md").read_text()
+    assert after.startswith("## The identified model") and "### The trajectory claims" in after
     rec = next(json.loads(p.read_text()) for p in (tmp_path / "runs").rglob("*.json")
                if '"identified"' in p.read_text())
     assert len(rec["identified"]) == 2 and rec["tiers"] == json.loads(json.dumps(tiers_spec()))
@@ -356,3 +359,23 @@ def test_an_identified_sets_tables_hold_every_claim_it_maps_the_constant_gate_an
     t = candidate_tables(space, c, vals)
     assert t["paths"][("forced_const0.5", "base normal")] == pytest.approx(0.2)
     assert t["fade_window"][("fade400", "zero", "n")] == 3.0
+
+
+def test_a_set_searched_but_not_registered_is_titled_so_and_shows_no_trajectory_rows(monkeypatch):
+    """``results_section`` of an identification search whose set was never measured on five seeds (a
+    further search beside the registered one): its own title, the rows, no trajectory section."""
+    from softprior.calibration import identify
+    space = load_space("assoc_recall_identify")
+    cand = SimpleNamespace(cid="abc123", label="a candidate", status="fails")
+    monkeypatch.setattr(identify, "identified_set", lambda sp, cands: [cand])
+    monkeypatch.setattr(identify, "member_table", lambda sp, c: "| row | table |")
+    monkeypatch.setattr(identify, "length_means", lambda *a, **k: {})
+    for five in (False, True):
+        monkeypatch.setattr(identify, "identified_at", lambda sp, cands, five=five: [cand] if five else [])
+        text = identify.results_section(space, None, [cand], "ROBUSTNESS", "SENSITIVITY")
+        if five:
+            assert text.startswith("## The identified model") and "ROBUSTNESS" in text and "SENSITIVITY" in text
+        else:
+            assert text.startswith("## A further identification search, `assoc_recall_identify` (not registered)")
+            assert "ROBUSTNESS" not in text and "### The trajectory claims" not in text and "| row | table |" in text
+

@@ -307,7 +307,8 @@ def results_section(space, store, cands, robustness: str, sensitivity: str, step
         return ""
     best = members[0]
     five = bool(identified_at(space, cands))
-    lines = [f"## The identified model (ours: `docs/CALIBRATION.md`, \"Identification\")", "",
+    title = "The identified model" if five else f"A further identification search, `{space.name}` (not registered)"
+    lines = [f"## {title} (ours: `docs/CALIBRATION.md`, \"Identification\")", "",
              f"Search space `{space.name}` (digest `{space.digest}`): {sum(c.status != 'infeasible' for c in cands)} "
              f"candidates measured; the identified set is {len(members)} configurations"
              f"{' measured on five seeds' if five else ' (not yet measured on five seeds: not registered)'}. "
@@ -325,8 +326,9 @@ def results_section(space, store, cands, robustness: str, sensitivity: str, step
                       + ", ".join(f"{n} {v:.3f}" for n, v in lr["means"].items())
                       + f"; the nearest the paper's, \"{lr['chosen']}\", is the reading the record states."]
         lines.append("")
-    lines += ["### The trajectory claims on every identified configuration", "", robustness, "",
-              "### Sensitivity", "", sensitivity, "",
-              "A marginal view over the identified set, not a factorial design: an axis value held by few "
-              "configurations says little.", ""]
+    if five:  # a set not registered has no trajectory row to show (the store refuses them)
+        lines += ["### The trajectory claims on every identified configuration", "", robustness, "",
+                  "### Sensitivity", "", sensitivity, "",
+                  "A marginal view over the identified set, not a factorial design: an axis value held by few "
+                  "configurations says little.", ""]
     return "\n".join(lines)
