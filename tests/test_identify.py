@@ -126,10 +126,13 @@ def _cli(tmp_path, *args):
 
 def test_identification_search_registers_its_set_on_five_seeds_and_covers_only_it(tmp_path):
     (tmp_path / "space.toml").write_text(_SPACE)
-    r = _cli(tmp_path, "--budget", "2")
+    r = _cli(tmp_path, "--budget", "2", "--doc", str(tmp_path / "doc.md"))
     assert r.returncode == 0, r.stderr
+    searched = (tmp_path / "doc.md").read_text()  # not registered yet: no map of trajectory rows
+    assert "<!-- table:calibration-tiny_identify -->" in searched and "robustness-tiny_identify" not in searched
     r = _cli(tmp_path, "--register", "--doc", str(tmp_path / "doc.md"))
     assert r.returncode == 0, r.stderr
+    assert "<!-- table:robustness-tiny_identify -->" in (tmp_path / "doc.md").read_text()
     after = (tmp_path / "out" / "identified.md").read_text()
     assert after.startswith("## The identified model") and "### The trajectory claims" in after
     rec = next(json.loads(p.read_text()) for p in (tmp_path / "runs").rglob("*.json")

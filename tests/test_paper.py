@@ -438,3 +438,7 @@ def test_results_doc_sets_the_tables_on_another_record_beside_the_paper(tmp_path
     assert "| parameters base (K) | Sec. 3 | 35 | 35.458 |" in text
     assert text.count("| **") >= 5  # a verdict per claim
     assert on_record_sections(tmp_path / "nothing", tmp_path / "RESULTS.md") == []
+    # the record's own RESULTS.md (``reproduce paper --record``) counts the record's parameters too
+    own = write_results_doc(sub, sub / "RESULTS.md", names=["paths"], record="identified-assoc_recall")
+    assert "| parameters base (K) | Sec. 3 | 35 | 35.458 |" in own and "record `identified-assoc_recall`'s" in own
+    assert "| 35.458 |" not in write_results_doc(sub, sub / "RESULTS.md", names=["paths"])

@@ -420,7 +420,7 @@ def _paper(args, train: bool) -> int:
     written = write_calibration_docs(store, cal_doc, out, spaces, bundle=writer.dir if writer else None) \
         if cal_doc else []
     started, t0 = time.time(), time.perf_counter()
-    write_results_doc(out, doc, names=[e.name for e, _ in exps], spaces=written)
+    write_results_doc(out, doc, names=[e.name for e, _ in exps], spaces=written, record=opts.record)
     _record_report(store, "RESULTS.md", started, time.perf_counter() - t0, 0)
     if readme:  # the verdicts at a glance, generated from the same tables
         from .paper import load_tables, verdict_summary

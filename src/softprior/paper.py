@@ -335,13 +335,19 @@ def formation_summary(results_dir: str | Path, names=None) -> str:
     return "\n".join(lines) if len(lines) > n else ""
 
 
-def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extra: str = "", spaces=()) -> str:
+def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extra: str = "", spaces=(),
+                      record: str | None = None) -> str:
     """Generate ``doc`` (the whole file) from the tables under ``results_dir`` and the sections of the
-    searches ``spaces`` (written with them: ``search_sections``)."""
+    searches ``spaces`` (written with them: ``search_sections``); ``record``: the tables ran on that
+    shipped record's configuration (``reproduce paper --record``), whose parameters the identification
+    rows then count."""
     results_dir = Path(results_dir)
     tables = load_tables(results_dir)
     formation = formation_summary(results_dir, names)
-    parts = [_HEAD, verdict_table(tables, results_dir), "", _ID_HEAD, identification_table(tables, default_params()),
+    id_head = _ID_HEAD if record is None else \
+        _ID_HEAD.replace("the shipped default configuration's", f"those of record `{record}`'s configuration")
+    parts = [_HEAD, verdict_table(tables, results_dir), "", id_head,
+             identification_table(tables, default_params(record)),
              ""] + search_sections(results_dir, spaces) + on_record_sections(results_dir, doc) \
         + ([formation, ""] if formation else [])
     notes = results_dir / "NOTES.md"  # prose that explains the tables (no numbers: those come from them)

@@ -166,6 +166,10 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> dict[str
         splice_into_doc(doc, f"identification-{space.name}", identification_block(space, cands))
     if space.effect:  # exploratory: no verdict of any claim is read from its runs (effect_section shows them)
         return {}
+    if space.identify:
+        from .identify import identified_at
+        if not identified_at(space, cands):  # a set never registered has no trajectory rows to map
+            return {}
     blocks = {"robustness": robustness_block(space, store, cands, steps=steps)}
     splice_into_doc(doc, f"robustness-{space.name}", blocks["robustness"] + _figure_link(doc, figure))
     if space.identify:
