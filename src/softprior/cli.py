@@ -419,6 +419,13 @@ def _paper(args, train: bool) -> int:
     # the searches first: RESULTS.md shows an identification or effect search's section (paper.search_sections)
     written = write_calibration_docs(store, cal_doc, out, spaces, bundle=writer.dir if writer else None) \
         if cal_doc else []
+    if getattr(args, "from_bundle", None):  # the bundles of the paper on other records it holds, then their section
+        from .paper import ON_RECORD_DIR
+        for sub in sorted((store.results_dir / ON_RECORD_DIR).glob("*/bundle/manifest.json")):
+            here = sub.parent.parent
+            if main(["report", "paper", "--from-bundle", str(here), "--out", str(out / ON_RECORD_DIR / here.name),
+                     "--workers", str(args.workers)]) != 0:
+                raise CliFailure(f"the bundle {str(here)!r} inside {str(store.root)!r} did not regenerate")
     started, t0 = time.time(), time.perf_counter()
     write_results_doc(out, doc, names=[e.name for e, _ in exps], spaces=written, record=opts.record)
     _record_report(store, "RESULTS.md", started, time.perf_counter() - t0, 0)
