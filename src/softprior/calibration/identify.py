@@ -324,7 +324,8 @@ def results_section(space, store, cands, robustness: str, sensitivity: str, step
         if lr:
             lines += [f"Over the identified set ({lr['members']} configurations) the readings average "
                       + ", ".join(f"{n} {v:.3f}" for n, v in lr["means"].items())
-                      + f"; the nearest the paper's, \"{lr['chosen']}\", is the reading the record states."]
+                      + f"; the nearest the paper's, \"{lr['chosen']}\", is the reading "
+                      + ("the record states." if five else "a record of this set would state.")]
         lines.append("")
     if five:  # a set not registered has no trajectory row to show (the store refuses them)
         lines += ["### The trajectory claims on every identified configuration", "", robustness, "",
