@@ -20,20 +20,25 @@ CASES = [("assoc_recall", "shared", 2), ("assoc_recall", "head", 1), ("markov", 
          ("linear_icl", "layer", 2), ("markov-determined", "layer", 2)]
 
 
-def _random_models(task, granularity, n_layers, n_runs=3):
+def _random_models(task, granularity, n_layers, n_runs=3, **model_options):
     task, _, variant = task.partition("-")
     task_options = dict(loss_on=variant) if variant else None
     # the plain defaults (not the pre-registered ones, whose prior layers need n_layers >= 2)
     cfgs = [make_run_config(task, "unforced", s, task_options=task_options, calibrated=False,
-                            model_options=dict(gate_granularity=granularity, n_layers=n_layers))
+                            model_options=dict(gate_granularity=granularity, n_layers=n_layers, **model_options))
             for s in range(n_runs)]
-    models = [build_model(c).double() for c in cfgs]
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # non-trivial everywhere: LayerNorm affine, prior tables, content factors, gates
+    return cfgs, _perturbed([build_model(c).double() for c in cfgs], seed=7)
+
+
+def _perturbed(models, seed: int):
+    """``models`` with noise added to every parameter, so that nothing is trivial: LayerNorm affine,
+    prior tables, content factors, gates."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for m in models:
             for p in m.parameters():
                 p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
-    return cfgs, models
+    return models
 
 
 def _batch_and_params(cfgs, models):
@@ -65,17 +70,21 @@ def _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), name
 
 
-@pytest.mark.parametrize("task,granularity,n_layers", CASES)
-def test_fast_forward_matches_the_readable_model_in_logits_and_gradients(task, granularity, n_layers):
-    cfgs, models = _random_models(task, granularity, n_layers)
+def _assert_learned_gates_match(cfgs, models):
+    """With learned gates (the gate values carry gradient back to the gate logits in both computations),
+    the fast forward's logits and gradients are the readable models'."""
     inputs, pos, params = _batch_and_params(cfgs, models)
-    # learned gates: the gate values carry gradient back to the gate logits in both computations
     g_all = torch.sigmoid(params["gate_logits"])
-    L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
-    gp, gc = g_all[:, 0].expand(3, L, H), g_all[:, 1].expand(3, L, H)
+    K, L, H = len(cfgs), cfgs[0].model.n_layers, cfgs[0].model.n_heads
+    gp, gc = g_all[:, 0].expand(K, L, H), g_all[:, 1].expand(K, L, H)
     fast = fast_forward(params, cfgs[0].model, inputs, gp, gc, pos)
     ref = torch.stack([m(inputs, positions=pos) for m in models])
     _assert_same_logits_and_gradients(fast, ref, params, models)
+
+
+@pytest.mark.parametrize("task,granularity,n_layers", CASES)
+def test_fast_forward_matches_the_readable_model_in_logits_and_gradients(task, granularity, n_layers):
+    _assert_learned_gates_match(*_random_models(task, granularity, n_layers))
 
 
 @pytest.mark.parametrize("task", ["assoc_recall", "linear_icl", "markov-determined"])
@@ -83,23 +92,9 @@ def test_fast_forward_matches_the_readable_model_in_logits_and_gradients(task, g
 def test_fast_forward_without_layernorm_or_with_another_attention_scale_matches(task, norm, attn_scale):
     """The identification search's architecture axes on the fast path: no LayerNorm (ones and zeros
     folded in), and 1/d_head or 1 on Q K^T, against the readable model."""
-    task_name, _, variant = task.partition("-")
-    cfgs = [make_run_config(task_name, "unforced", s, calibrated=False,
-                            task_options=dict(loss_on=variant) if variant else None,
-                            model_options=dict(norm=norm, attn_scale=attn_scale)) for s in range(2)]
+    cfgs, models = _random_models(task, "shared", 2, n_runs=2, norm=norm, attn_scale=attn_scale)
     assert supports(cfgs[0].model)
-    models = [build_model(c).double() for c in cfgs]
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for m in models:
-            for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
-    inputs, pos, params = _batch_and_params(cfgs, models)
-    g_all = torch.sigmoid(params["gate_logits"])
-    L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
-    fast = fast_forward(params, cfgs[0].model, inputs, g_all[:, 0].expand(2, L, H), g_all[:, 1].expand(2, L, H), pos)
-    ref = torch.stack([m(inputs, positions=pos) for m in models])
-    _assert_same_logits_and_gradients(fast, ref, params, models)
+    _assert_learned_gates_match(cfgs, models)
 
 
 def test_post_layernorm_runs_in_the_readable_model():
@@ -155,13 +150,7 @@ def _scheme_models(task, baseline, n_runs=2, n_layers=2):
     cfgs = [make_run_config(task, seed=s, baseline=baseline, calibrated=False,
                             task_options=dict(loss_on=variant) if variant else None,
                             model_options=dict(n_layers=n_layers)) for s in range(n_runs)]
-    models = [build_model(c).double() for c in cfgs]
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():  # every parameter moved off its initial value, the scheme's too
-        for m in models:
-            for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
-    return cfgs, models
+    return cfgs, _perturbed([build_model(c).double() for c in cfgs], seed=11)  # the scheme's parameters too
 
 
 @pytest.mark.parametrize("baseline", FAST_SCHEMES)
@@ -234,12 +223,7 @@ def test_contextual_schemes_with_the_content_prior_on_match_the_readable_model(b
     cfgs = [make_run_config("assoc_recall", "unforced", s, calibrated=False, model_options=dict(positional=baseline))
             for s in range(2)]
     assert cfgs[0].model.prior
-    models = [build_model(c).double() for c in cfgs]
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for m in models:
-            for p in m.parameters():
-                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    models = _perturbed([build_model(c).double() for c in cfgs], seed=11)
     inputs, pos, params = _batch_and_params(cfgs, models)
     L, H = cfgs[0].model.n_layers, cfgs[0].model.n_heads
     gp = torch.full((2, L, H), 0.7, dtype=torch.float64)
