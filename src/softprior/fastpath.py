@@ -79,6 +79,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from . import kernels
+from .kernels import step as kstep
 from .model import ModelConfig
 from .positional.rotary import rotate_pairs  # RoPE's rotation, shared with the readable scheme
 
@@ -440,10 +441,12 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     """
     K, L = g_pos.shape[0], cfg.n_layers
     tokens = cfg.d_in is None
+    pos = tuple(int(p) for p in positions.tolist())
+    if inputs.device.type == "cpu" and kstep.supports(cfg, tokens, inputs.shape[-1], len(pos)) and kstep.enabled():
+        return kstep.step_logits(params, cfg, inputs, g_pos, g_content, pos)  # point 7: the whole step in C++
     if inputs.dim() == (2 if tokens else 3):
         inputs = inputs.expand(K, *inputs.shape)
     B, T = inputs.shape[1], inputs.shape[2]
-    pos = tuple(int(p) for p in positions.tolist())
     dev = inputs.device
     dtype = params["blocks.0.attn.in_proj.weight"].dtype
     pe = _absolute(params, cfg, K, T, dtype)  # point 6

@@ -35,6 +35,8 @@ __all__ = ["attention", "available", "attention_backend", "build_error", "ENV"]
 
 ENV = "SOFTPRIOR_KERNELS"  # "0": never build or use the fused operator (the pure-PyTorch path runs)
 _SOURCE = Path(__file__).with_name("attention.cpp")
+_SOURCES = (_SOURCE, _SOURCE.with_name("step.cpp"))  # one library: the attention operator and the whole step
+_HEADERS = (_SOURCE.with_name("blocks.h"),)
 _state: dict = {"loaded": None, "error": None}  # loaded: None (not tried), True or False
 
 
@@ -54,6 +56,12 @@ def _cpu_tag() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
+def _source_tag() -> str:
+    """A digest of the sources and the header they share: ``cpp_extension`` rebuilds when a source
+    changes, but not when only an included header does, so the header's edit names a new build."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))).hexdigest()[:10]
+
+
 def _ensure_ninja() -> None:
     """``cpp_extension.load`` runs ``ninja`` from PATH: where it is not there, the ``ninja`` package's
     binary (a dependency of softprior) is put at PATH's end."""
@@ -69,7 +77,7 @@ def _build() -> None:
     """Compile (or load the cached build of) ``attention.cpp`` and register the operator's autograd."""
     from torch.utils import cpp_extension
     _ensure_ninja()
-    cpp_extension.load(name=f"softprior_attention_{_cpu_tag()}", sources=[str(_SOURCE)],
+    cpp_extension.load(name=f"softprior_kernels_{_cpu_tag()}_{_source_tag()}", sources=[str(p) for p in _SOURCES],
                        extra_cflags=["-O3", "-march=native", "-ffp-contract=fast",
                                      "-fno-tree-loop-distribute-patterns", "-fopenmp"], extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)

@@ -1,0 +1,516 @@
+// The whole forward and backward of softprior's token model in one operator, for the fast path's
+// commonest case (src/softprior/kernels/step.py says which: the soft prior, no positional scheme,
+// pre-LayerNorm, a token task whose last layer reads a few positions).
+//
+// It computes what fastpath.fast_forward computes (src/softprior/fastpath.py, points 1-5), logits at
+// the loss positions from the run-stacked parameters, and its backward, without an autograd graph:
+// - layer 0 on the vocabulary: tab = LN(E) W_in^T ([V, 3d + 2Hr], fastpath point 3); each
+//   (head, example) block gathers its rows of tab by token into a thread-local buffer, forms
+//   S = q k^T / sqrt(d_head) + g_c (x U)(x W)^T + g_p B^pos[i - j] with the causal mask (the paper's
+//   logits, section 2), its softmax and P v there, and the backward scatters dq, dk, dv straight
+//   back into d tab (no [B, H, T, .] gathered tensors, no index_add over them);
+// - middle layers the same with the rows of LN(x) W_in^T;
+// - the last layer at the loss positions only, re-associated (fastpath point 4):
+//   s_j = (W_{K,W}^T q_ext) . LN(x_j) and sum_j P_j W_V LN(x_j) = W_V (sum_j P_j LN(x_j));
+// - the final LayerNorm and the tied unembedding at the loss positions.
+// Backward: the softmax Jacobian row-wise (dS = P * (dP - sum_j dP P)); the position bias's gradient
+// summed over the batch per head and gathered onto B^pos's offsets and g_pos; the content gate's
+// gradient from the U columns; LayerNorm's through ATen's own native_layer_norm_backward.
+//
+// Determinism: each run is computed alone (its own ATen calls, its own blocks), so its numbers do not
+// depend on the runs beside it; every block and every head's reduction over the batch runs in one
+// thread in a fixed order (b = 0..B-1), whatever the thread count.
+#include "blocks.h"
+
+namespace {
+
+using at::Tensor;
+
+struct Dims {
+  int64_t B, T, d, H, dh, r, e, W, V, P, nctx, L;
+};
+
+// the rows of a layer's in_proj output: row (b, i) is base[idx(b, i)] with idx the token (layer 0, on
+// the vocabulary) or b*T + i (a middle layer's projection of every position)
+template <typename scalar_t>
+struct Rows0 {
+  scalar_t* base;
+  const int64_t* tok;  // [B, T] or null
+  int64_t T, W;
+  scalar_t* row(int64_t b, int64_t i) const { return base + (tok ? tok[b * T + i] : b * T + i) * W; }
+};
+
+// the causal mask with the prior's bias, per head: bias[h][i][j] = g_pos,h B^pos[h, min(i - j, n_ctx - 1)]
+// for j <= i, -inf after (fastpath._pos_bias)
+template <typename scalar_t>
+std::vector<scalar_t> full_bias(const scalar_t* bpos, const scalar_t* gp, const Dims& D) {
+  const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
+  std::vector<scalar_t> out(D.H * D.T * D.T);
+  for (int64_t h = 0; h < D.H; ++h)
+    for (int64_t i = 0; i < D.T; ++i)
+      for (int64_t j = 0; j < D.T; ++j)
+        out[(h * D.T + i) * D.T + j] = j <= i ? gp[h] * bpos[h * D.nctx + std::min(i - j, D.nctx - 1)] : ninf;
+  return out;
+}
+
+// Scratch of one thread for the blocks of a full layer
+template <typename scalar_t>
+struct Scratch {
+  int64_t TP, EP, DP, QR;
+  Buffer<scalar_t> qe, ke, keT, vv, vT, s, dp, ds, dz, out, out2;
+  explicit Scratch(const Dims& D)
+      : TP(padded(D.T)), EP(padded(D.e)), DP(padded(D.dh)), QR(rounded(D.T, R)),
+        qe(QR * EP), ke(TP * EP), keT(D.e * TP), vv(TP * DP), vT(D.dh * TP), s(QR * TP), dp(QR * TP), ds(QR * TP),
+        dz(QR * DP), out(std::max(QR, rounded(D.T, R)) * std::max(EP, DP)), out2(rounded(D.T, R) * DP) {}
+};
+
+// a block's q_ext = [q / sqrt(d_head), g_c u] rows (qe), k_ext = [k, w] rows (ke) or transposed (keT),
+// v rows (vv) or transposed (vT), from the in_proj rows (stored Q | K | V | U | W)
+template <typename scalar_t>
+void load_block(const Dims& D, const Rows0<scalar_t>& src, int64_t b, int64_t h, scalar_t qs, scalar_t gc,
+                Scratch<scalar_t>& w, bool rows_k, bool cols_k, bool rows_v, bool cols_v) {
+  const int64_t d = D.d, dh = D.dh, r = D.r, Hr = D.H * D.r;
+  for (int64_t i = 0; i < D.T; ++i) {
+    const scalar_t* x = src.row(b, i);
+    scalar_t* q = w.qe.get() + i * w.EP;
+    for (int64_t c = 0; c < dh; ++c) q[c] = qs * x[h * dh + c];
+    for (int64_t c = 0; c < r; ++c) q[dh + c] = gc * x[3 * d + h * r + c];
+    if (rows_k) {
+      scalar_t* k = w.ke.get() + i * w.EP;
+      for (int64_t c = 0; c < dh; ++c) k[c] = x[d + h * dh + c];
+      for (int64_t c = 0; c < r; ++c) k[dh + c] = x[3 * d + Hr + h * r + c];
+    }
+    if (cols_k) {
+      for (int64_t c = 0; c < dh; ++c) w.keT[c * w.TP + i] = x[d + h * dh + c];
+      for (int64_t c = 0; c < r; ++c) w.keT[(dh + c) * w.TP + i] = x[3 * d + Hr + h * r + c];
+    }
+    if (rows_v) copy_n(x + 2 * d + h * dh, dh, w.vv.get() + i * w.DP);
+    if (cols_v)
+      for (int64_t c = 0; c < dh; ++c) w.vT[c * w.TP + i] = x[2 * d + h * dh + c];
+  }
+}
+
+// one (head, example) block forward: P (saved, [T, TP]) and z into Z's columns of head h ([B*T, d])
+template <typename scalar_t>
+void block_forward(const Dims& D, const Mask<scalar_t>& mask, const Rows0<scalar_t>& src, int64_t b, int64_t h,
+                   scalar_t qs, scalar_t gc, Scratch<scalar_t>& w, scalar_t* P, scalar_t* Z) {
+  const int64_t TP = w.TP, EP = w.EP, DP = w.DP, G = w.QR / R;
+  load_block(D, src, b, h, qs, gc, w, false, true, true, false);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t glim = mask.group_lim(h, D.T, g), tiles = (glim + VL - 1) / VL;
+    rows_times(Rows<scalar_t>(w.qe.get(), EP, g * R, D.T).p, 1, 0, D.e, w.keT.get(), TP, tiles, w.s.get() + g * R * TP,
+               TP);
+    for (int64_t i = g * R; i < std::min(D.T, g * R + R); ++i)
+      softmax_row(w.s.get() + i * TP, mask.bias.get() + (h * D.T + i) * TP, tiles, TP);
+    rows_times(Rows<scalar_t>(w.s.get(), TP, g * R, w.QR).p, 1, 0, glim, w.vv.get(), DP, DP / VL,
+               w.out.get() + g * R * DP, DP);
+  }
+  for (int64_t i = 0; i < D.T; ++i) {
+    copy_n(w.out.get() + i * DP, D.dh, Z + (b * D.T + i) * D.d + h * D.dh);
+    copy_n(w.s.get() + i * TP, TP, P + i * TP);
+  }
+}
+
+// one (head, example) block backward: adds dq, dk, dv into the rows' gradient (dsrc, same indexing as
+// src), dS into dbias ([T, TP], this head's sum over the batch) and the content gate's gradient into dgc
+template <typename scalar_t>
+void block_backward(const Dims& D, const Mask<scalar_t>& mask, const Rows0<scalar_t>& src, const Rows0<scalar_t>& dsrc,
+                    int64_t b, int64_t h, scalar_t qs, scalar_t gc, Scratch<scalar_t>& w, const scalar_t* P,
+                    const scalar_t* dZ, scalar_t* dbias, scalar_t& dgc) {
+  using V = typename Lanes<scalar_t>::type;
+  const int64_t TP = w.TP, EP = w.EP, DP = w.DP, G = w.QR / R, GK = rounded(D.T, R) / R;
+  const int64_t d = D.d, dh = D.dh, r = D.r, Hr = D.H * D.r;
+  load_block(D, src, b, h, qs, gc, w, true, false, false, true);
+  for (int64_t i = 0; i < D.T; ++i) copy_n(dZ + (b * D.T + i) * d + h * dh, dh, w.dz.get() + i * DP);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t glim = mask.group_lim(h, D.T, g), tiles = (glim + VL - 1) / VL;
+    rows_times(Rows<scalar_t>(w.dz.get(), DP, g * R, D.T).p, 1, 0, dh, w.vT.get(), TP, tiles, w.dp.get() + g * R * TP,
+               TP);
+    for (int64_t i = g * R; i < std::min(D.T, g * R + R); ++i) {
+      softmax_grad_row(P + i * TP, w.dp.get() + i * TP, w.ds.get() + i * TP, tiles, TP);
+      V* acc = reinterpret_cast<V*>(dbias + i * TP);
+      const V* dsi = reinterpret_cast<const V*>(w.ds.get() + i * TP);
+      for (int64_t t = 0; t < tiles; ++t) acc[t] += dsi[t];
+    }
+    // dq_ext = dS k_ext for the group's rows
+    rows_times(Rows<scalar_t>(w.ds.get(), TP, g * R, w.QR).p, 1, 0, glim, w.ke.get(), EP, EP / VL,
+               w.out.get() + g * R * EP, EP);
+  }
+  for (int64_t i = 0; i < D.T; ++i) {  // q_ext = [qs q, g_c u]: back onto the Q and U columns
+    const scalar_t* dq = w.out.get() + i * EP;
+    const scalar_t* x = src.row(b, i);
+    scalar_t* gx = dsrc.row(b, i);
+    for (int64_t c = 0; c < dh; ++c) gx[h * dh + c] += qs * dq[c];
+    for (int64_t c = 0; c < r; ++c) {
+      gx[3 * d + h * r + c] += gc * dq[dh + c];
+      dgc += dq[dh + c] * x[3 * d + h * r + c];
+    }
+  }
+  // dk_ext = dS^T q_ext and dv = P^T dz, R keys at a time, over the queries from the first that sees one
+  for (int64_t g = 0; g < GK; ++g) {
+    const int64_t* f = mask.first.data() + h * rounded(D.T, R) + g * R;
+    const int64_t i0 = *std::min_element(f, f + R);
+    rows_times(Rows<scalar_t>(w.ds.get(), 1, g * R, D.T).p, TP, i0, D.T, w.qe.get(), EP, EP / VL,
+               w.out.get() + g * R * EP, EP);
+    rows_times(Rows<scalar_t>(P, 1, g * R, D.T).p, TP, i0, D.T, w.dz.get(), DP, DP / VL, w.out2.get() + g * R * DP, DP);
+    for (int64_t j = g * R; j < std::min(D.T, g * R + R); ++j) {
+      const scalar_t* dk = w.out.get() + j * EP;
+      const scalar_t* dv = w.out2.get() + j * DP;
+      scalar_t* gx = dsrc.row(b, j);
+      for (int64_t c = 0; c < dh; ++c) gx[d + h * dh + c] += dk[c];
+      for (int64_t c = 0; c < r; ++c) gx[3 * d + Hr + h * r + c] += dk[dh + c];
+      for (int64_t c = 0; c < dh; ++c) gx[2 * d + h * dh + c] += dv[c];
+    }
+  }
+}
+
+// A full layer's attention forward for one run: Z [B*T, d] (heads' z side by side) and P [H, B, T, TP]
+template <typename scalar_t>
+void full_forward(const Dims& D, const Rows0<scalar_t>& src, const scalar_t* bpos, const scalar_t* gp,
+                  const scalar_t* gc, scalar_t qs, scalar_t* Z, scalar_t* P) {
+  const auto bias = full_bias(bpos, gp, D);
+  const Mask<scalar_t> mask(bias.data(), D.H, D.T, D.T);
+  const int64_t TP = padded(D.T);
+  at::parallel_for(0, D.H * D.B, 1, [&](int64_t begin, int64_t end) {
+    Scratch<scalar_t> w(D);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t h = n / D.B, b = n % D.B;
+      block_forward(D, mask, src, b, h, qs, gc[h], w, P + n * D.T * TP, Z);
+    }
+  });
+}
+
+// its backward: d rows (dsrc, accumulated), and per head d B^pos, d g_pos and d g_content (added)
+template <typename scalar_t>
+void full_backward(const Dims& D, const Rows0<scalar_t>& src, const Rows0<scalar_t>& dsrc, const scalar_t* bpos,
+                   const scalar_t* gp, const scalar_t* gc, scalar_t qs, const scalar_t* P, const scalar_t* dZ,
+                   scalar_t* dbpos, scalar_t* dgp, scalar_t* dgc) {
+  const auto bias = full_bias(bpos, gp, D);
+  const Mask<scalar_t> mask(bias.data(), D.H, D.T, D.T);
+  const int64_t TP = padded(D.T);
+  at::parallel_for(0, D.H, 1, [&](int64_t begin, int64_t end) {
+    Scratch<scalar_t> w(D);
+    Buffer<scalar_t> dbias(D.T * TP);
+    for (int64_t h = begin; h < end; ++h) {
+      std::fill(dbias.get(), dbias.get() + D.T * TP, scalar_t(0));
+      scalar_t g = 0;
+      for (int64_t b = 0; b < D.B; ++b)
+        block_backward(D, mask, src, dsrc, b, h, qs, gc[h], w, P + (h * D.B + b) * D.T * TP, dZ, dbias.get(), g);
+      dgc[h] += g;
+      scalar_t gg = 0;
+      for (int64_t i = 0; i < D.T; ++i)
+        for (int64_t j = 0; j <= i; ++j) {
+          const int64_t o = h * D.nctx + std::min(i - j, D.nctx - 1);
+          gg += dbias[i * TP + j] * bpos[o];
+          dbpos[o] += gp[h] * dbias[i * TP + j];
+        }
+      dgp[h] += gg;
+    }
+  });
+}
+
+// dst[index[n]] += src[n] for the rows n = 0..rows-1 in order (index_add_ without its sort): the rows
+// of a [rows, d] and a [*, d] tensor, both contiguous
+template <typename scalar_t>
+void add_rows(Tensor& dst, const int64_t* index, const Tensor& src, int64_t rows) {
+  const int64_t d = src.size(-1);
+  scalar_t* o = dst.mutable_data_ptr<scalar_t>();
+  const scalar_t* x = src.const_data_ptr<scalar_t>();
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t c = 0; c < d; ++c) o[index[n] * d + c] += x[n * d + c];
+}
+
+// the rows of [B*T, d] at the loss positions of each example: b*T + pos[p], [B*P]
+std::vector<int64_t> query_rows(const std::vector<int64_t>& pos, int64_t B, int64_t T) {
+  std::vector<int64_t> rows;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t p : pos) rows.push_back(b * T + p);
+  return rows;
+}
+
+// the last layer's position bias at the loss positions, [H, P, T] (-inf past each query)
+template <typename scalar_t>
+Tensor last_bias(const Tensor& bpos, const Tensor& gp, const std::vector<int64_t>& pos, const Dims& D) {
+  Tensor out = at::empty({D.H, D.P, D.T}, bpos.options());
+  const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
+  const scalar_t* bp = bpos.const_data_ptr<scalar_t>();
+  const scalar_t* g = gp.const_data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  for (int64_t h = 0; h < D.H; ++h)
+    for (int64_t p = 0; p < D.P; ++p)
+      for (int64_t j = 0; j < D.T; ++j)
+        o[(h * D.P + p) * D.T + j] = j <= pos[p] ? g[h] * bp[h * D.nctx + std::min(pos[p] - j, D.nctx - 1)] : ninf;
+  return out;
+}
+
+// parameters of one run, in the order step.py passes them: E, per layer (ln_w, ln_b, W_in, W_out,
+// B^pos), ln_final (w, b)
+struct Params {
+  Tensor E, lnfw, lnfb;
+  std::vector<Tensor> lnw, lnb, win, wout, bpos;
+  Params(const std::vector<Tensor>& all, int64_t k, int64_t L) {
+    E = all[0][k];
+    for (int64_t l = 0; l < L; ++l) {
+      lnw.push_back(all[1 + 5 * l][k]);
+      lnb.push_back(all[2 + 5 * l][k]);
+      win.push_back(all[3 + 5 * l][k]);
+      wout.push_back(all[4 + 5 * l][k]);
+      bpos.push_back(all[5 + 5 * l][k].contiguous());
+    }
+    lnfw = all[1 + 5 * L][k];
+    lnfb = all[2 + 5 * L][k];
+  }
+};
+
+Dims dims_of(const std::vector<Tensor>& params, const Tensor& tokens, int64_t H, int64_t r, int64_t P) {
+  const int64_t L = (static_cast<int64_t>(params.size()) - 3) / 5;
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == 5 * L + 3 && L >= 2, "softprior step: 5 L + 3 parameters, L >= 2");
+  const int64_t V = params[0].size(1), d = params[0].size(2), nctx = params[5].size(2);
+  TORCH_CHECK(d % H == 0, "softprior step: d_model must be a multiple of the heads");
+  TORCH_CHECK(tokens.dim() == 3, "softprior step: tokens [K or 1, B, T] expected");
+  const int64_t B = tokens.size(1), T = tokens.size(2), dh = d / H;
+  TORCH_CHECK(T <= nctx, "softprior step: the context (", T, ") must fit the position table (", nctx, ")");
+  TORCH_CHECK(params[3].size(1) == 3 * d + 2 * H * r, "softprior step: in_proj [3d + 2Hr, d] expected");
+  return Dims{B, T, d, H, dh, r, dh + r, 3 * d + 2 * H * r, V, P, nctx, L};
+}
+
+// what the backward of one run reads, in order
+// layer 0's (tab, A0, mean0, rstd0, P0, Z0), then per middle layer (x, A, mean, rstd, proj, P, Z), then the last
+// layer's 16 (run_forward's order)
+enum Saved { kTab, kA0, kMean0, kRstd0, kP0, kZ0, kXl };
+
+template <typename scalar_t>
+std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& tok, const Tensor& gp, const Tensor& gc,
+                                const std::vector<int64_t>& pos, scalar_t qs, Tensor logits) {
+  const int64_t B = D.B, T = D.T, d = D.d, H = D.H, dh = D.dh, r = D.r, P = D.P, L = D.L, TP = padded(T);
+  std::vector<Tensor> saved;
+  const int64_t* tk = tok.const_data_ptr<int64_t>();
+  // layer 0 on the vocabulary (fastpath point 3)
+  auto [A0, mean0, rstd0] = at::native_layer_norm(W.E, {d}, W.lnw[0], W.lnb[0], 1e-5);
+  Tensor tab = at::mm(A0, W.win[0].t());  // [V, W]
+  Tensor x = W.E.index_select(0, tok.reshape(-1));  // [B*T, d]
+  Tensor Pl = at::empty({H, B, T, TP}, x.options()), Z = at::empty({B * T, d}, x.options());
+  full_forward<scalar_t>(D, Rows0<scalar_t>{tab.mutable_data_ptr<scalar_t>(), tk, T, D.W}, W.bpos[0].const_data_ptr<scalar_t>(),
+                         gp[0].const_data_ptr<scalar_t>(), gc[0].const_data_ptr<scalar_t>(), qs,
+                         Z.mutable_data_ptr<scalar_t>(), Pl.mutable_data_ptr<scalar_t>());
+  saved.insert(saved.end(), {tab, A0, mean0, rstd0, Pl, Z});
+  x = at::addmm(x, Z, W.wout[0].t());
+  for (int64_t l = 1; l < L - 1; ++l) {  // middle layers: every position
+    auto [A, mean, rstd] = at::native_layer_norm(x, {d}, W.lnw[l], W.lnb[l], 1e-5);
+    Tensor proj = at::mm(A, W.win[l].t());  // [B*T, W]
+    Tensor Pm = at::empty({H, B, T, TP}, x.options()), Zm = at::empty({B * T, d}, x.options());
+    full_forward<scalar_t>(D, Rows0<scalar_t>{proj.mutable_data_ptr<scalar_t>(), nullptr, T, D.W},
+                           W.bpos[l].const_data_ptr<scalar_t>(), gp[l].const_data_ptr<scalar_t>(),
+                           gc[l].const_data_ptr<scalar_t>(), qs, Zm.mutable_data_ptr<scalar_t>(),
+                           Pm.mutable_data_ptr<scalar_t>());
+    saved.insert(saved.end(), {x, A, mean, rstd, proj, Pm, Zm});
+    x = at::addmm(x, Zm, W.wout[l].t());
+  }
+  // the last layer at the loss positions, re-associated (fastpath point 4)
+  const int64_t l = L - 1;
+  const Tensor& Wl = W.win[l];
+  Tensor posT = at::tensor(pos, tok.options());
+  auto [A, mean, rstd] = at::native_layer_norm(x, {d}, W.lnw[l], W.lnb[l], 1e-5);
+  Tensor A3 = A.view({B, T, d});
+  Tensor Aq = A3.index_select(1, posT).reshape({B * P, d});
+  Tensor Q = at::mm(Aq, Wl.narrow(0, 0, d).t()).view({B * P, H, dh}).transpose(0, 1);       // [H, B*P, dh]
+  Tensor U = at::mm(Aq, Wl.narrow(0, 3 * d, H * r).t()).view({B * P, H, r}).transpose(0, 1);  // [H, B*P, r]
+  Tensor QW = at::bmm(Q, Wl.narrow(0, d, d).view({H, dh, d}));                             // [H, B*P, d]
+  Tensor UW = at::bmm(U, Wl.narrow(0, 3 * d + H * r, H * r).view({H, r, d}));
+  Tensor gcl = gc[l].view({H, 1, 1});
+  Tensor QT = at::add(QW.mul(qs), UW.mul(gcl));  // [H, B*P, d] = W_{K,W}^T q_ext
+  Tensor QTb = QT.view({H, B, P, d}).permute({1, 0, 2, 3}).reshape({B, H * P, d});
+  Tensor S = at::baddbmm(last_bias<scalar_t>(W.bpos[l], gp[l], pos, D).view({1, H * P, T}), QTb, A3.transpose(1, 2));
+  Tensor Pr = at::_softmax(S, -1, false);                                                 // [B, H*P, T]
+  Tensor abar = at::bmm(Pr, A3).view({B, H, P, d}).permute({1, 0, 2, 3}).reshape({H, B * P, d});
+  Tensor O = at::bmm(abar, Wl.narrow(0, 2 * d, d).view({H, dh, d}).transpose(1, 2));     // [H, B*P, dh]
+  Tensor z = O.transpose(0, 1).reshape({B * P, d});
+  Tensor xq = x.view({B, T, d}).index_select(1, posT).reshape({B * P, d});
+  Tensor xL = at::addmm(xq, z, W.wout[l].t());
+  auto [Y, meanf, rstdf] = at::native_layer_norm(xL, {d}, W.lnfw, W.lnfb, 1e-5);
+  logits.copy_(at::mm(Y, W.E.t()).view({B, P, D.V}));
+  saved.insert(saved.end(), {x, A, mean, rstd, Q, U, QW, UW, QT, Pr, abar, z, xL, meanf, rstdf, Y});
+  return saved;
+}
+
+std::vector<Tensor> step_forward(const std::vector<Tensor>& params_, const Tensor& gp_, const Tensor& gc_,
+                                 const Tensor& tokens_, at::IntArrayRef pos_, double qs, int64_t rank, bool save) {
+  std::vector<Tensor> params;
+  for (const auto& p : params_) params.push_back(p.contiguous());
+  const Tensor gp = gp_.contiguous(), gc = gc_.contiguous(), tokens = tokens_.contiguous();
+  const std::vector<int64_t> pos(pos_.begin(), pos_.end());
+  const int64_t K = params[0].size(0), H = gp.size(2);
+  const Dims D = dims_of(params, tokens, H, rank, static_cast<int64_t>(pos.size()));
+  TORCH_CHECK(gp.size(0) == K && gp.size(1) == D.L && gc.sizes() == gp.sizes(), "softprior step: gates [K, L, H]");
+  TORCH_CHECK(tokens.size(0) == 1 || tokens.size(0) == K, "softprior step: tokens [K or 1, B, T]");
+  for (int64_t p : pos) TORCH_CHECK(p >= 0 && p < D.T, "softprior step: a loss position outside the context");
+  Tensor logits = at::empty({K, D.B, D.P, D.V}, params[0].options());
+  std::vector<Tensor> out{logits};
+  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "softprior_step_forward", [&] {
+    for (int64_t k = 0; k < K; ++k) {
+      const Params W(params, k, D.L);
+      auto saved = run_forward<scalar_t>(W, D, tokens[tokens.size(0) == 1 ? 0 : k], gp[k], gc[k], pos,
+                                         static_cast<scalar_t>(qs), logits[k]);
+      if (save) out.insert(out.end(), saved.begin(), saved.end());
+    }
+  });
+  return out;
+}
+
+// LayerNorm's backward: (dx, dw, db)
+std::tuple<Tensor, Tensor, Tensor> ln_backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                                               const Tensor& w, const Tensor& b) {
+  return at::native_layer_norm_backward(dy.contiguous(), x, {x.size(-1)}, mean, rstd, w, b, {true, true, true});
+}
+
+template <typename scalar_t>
+void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tensor& gp, const Tensor& gc,
+                  const std::vector<int64_t>& pos, scalar_t qs, const std::vector<Tensor>& sv, const Tensor& G,
+                  const std::vector<Tensor>& grads, int64_t k, Tensor dgp, Tensor dgc) {
+  const int64_t B = D.B, T = D.T, d = D.d, H = D.H, dh = D.dh, r = D.r, P = D.P, L = D.L, V = D.V, Hr = H * r;
+  const int64_t M = static_cast<int64_t>(sv.size()) - 16;  // where the last layer's saved tensors start
+  const Tensor &x = sv[M], &A = sv[M + 1], &mean = sv[M + 2], &rstd = sv[M + 3], &Q = sv[M + 4], &U = sv[M + 5],
+               &QW = sv[M + 6], &UW = sv[M + 7], &QT = sv[M + 8], &Pr = sv[M + 9], &abar = sv[M + 10],
+               &z = sv[M + 11], &xL = sv[M + 12], &meanf = sv[M + 13], &rstdf = sv[M + 14], &Y = sv[M + 15];
+  Tensor Gf = G.reshape({B * P, V});
+  // the tied unembedding and the final LayerNorm
+  Tensor dE = at::mm(Gf.t(), Y);
+  auto [dxL, dlnfw, dlnfb] = ln_backward(at::mm(Gf, W.E), xL, meanf, rstdf, W.lnfw, W.lnfb);
+  grads[1 + 5 * L][k].copy_(dlnfw);
+  grads[2 + 5 * L][k].copy_(dlnfb);
+  // the last layer
+  const int64_t l = L - 1;
+  const Tensor& Wl = W.win[l];
+  Tensor posT = at::tensor(pos, tok.options());
+  grads[4 + 5 * l][k].copy_(at::mm(dxL.t(), z));
+  Tensor dO = at::mm(dxL, W.wout[l]).view({B * P, H, dh}).transpose(0, 1);  // [H, B*P, dh]
+  Tensor dWin = at::zeros_like(Wl);
+  dWin.narrow(0, 2 * d, d).copy_(at::bmm(dO.transpose(1, 2), abar).reshape({d, d}));
+  Tensor dabar = at::bmm(dO, Wl.narrow(0, 2 * d, d).view({H, dh, d}));  // [H, B*P, d]
+  Tensor dabarb = dabar.view({H, B, P, d}).permute({1, 0, 2, 3}).reshape({B, H * P, d});
+  Tensor A3 = A.view({B, T, d});
+  Tensor dPr = at::bmm(dabarb, A3.transpose(1, 2));  // [B, H*P, T]
+  Tensor dA3 = at::bmm(Pr.transpose(1, 2), dabarb);  // [B, T, d]
+  Tensor dS = at::_softmax_backward_data(dPr, Pr, -1, Pr.scalar_type());
+  {  // the position bias at the loss positions: d g_pos and d B^pos, summed over the batch in order
+    Tensor dbias = dS.sum(0).contiguous();  // [H*P, T]
+    const scalar_t* db = dbias.const_data_ptr<scalar_t>();
+    const scalar_t* bp = W.bpos[l].const_data_ptr<scalar_t>();
+    scalar_t* dbp = grads[5 + 5 * l][k].mutable_data_ptr<scalar_t>();
+    const scalar_t* g = gp[l].const_data_ptr<scalar_t>();
+    scalar_t* dg = dgp[l].mutable_data_ptr<scalar_t>();
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t j = 0; j <= pos[p]; ++j) {
+          const int64_t o = h * D.nctx + std::min(pos[p] - j, D.nctx - 1);
+          dg[h] += db[(h * P + p) * T + j] * bp[o];
+          dbp[o] += g[h] * db[(h * P + p) * T + j];
+        }
+  }
+  Tensor QTb = QT.view({H, B, P, d}).permute({1, 0, 2, 3}).reshape({B, H * P, d});
+  Tensor dQT = at::bmm(dS, A3).view({B, H, P, d}).permute({1, 0, 2, 3}).reshape({H, B * P, d});
+  dA3.baddbmm_(dS.transpose(1, 2), QTb);
+  Tensor gcl = gc[l].view({H, 1, 1});
+  dgc[l].add_((dQT * UW).sum({1, 2}));
+  Tensor dQW = dQT.mul(qs), dUW = dQT.mul(gcl);
+  Tensor dQ = at::bmm(dQW, Wl.narrow(0, d, d).view({H, dh, d}).transpose(1, 2));          // [H, B*P, dh]
+  Tensor dU = at::bmm(dUW, Wl.narrow(0, 3 * d + Hr, Hr).view({H, r, d}).transpose(1, 2));  // [H, B*P, r]
+  dWin.narrow(0, d, d).copy_(at::bmm(Q.transpose(1, 2), dQW).reshape({d, d}));
+  dWin.narrow(0, 3 * d + Hr, Hr).copy_(at::bmm(U.transpose(1, 2), dUW).reshape({Hr, d}));
+  Tensor dQf = dQ.transpose(0, 1).reshape({B * P, d}), dUf = dU.transpose(0, 1).reshape({B * P, Hr});
+  Tensor Aq = A3.index_select(1, posT).reshape({B * P, d});
+  dWin.narrow(0, 0, d).copy_(at::mm(dQf.t(), Aq));
+  dWin.narrow(0, 3 * d, Hr).copy_(at::mm(dUf.t(), Aq));
+  Tensor dAq = at::addmm(at::mm(dQf, Wl.narrow(0, 0, d)), dUf, Wl.narrow(0, 3 * d, Hr));
+  const std::vector<int64_t> qrows = query_rows(pos, B, T);
+  Tensor dAf = dA3.view({B * T, d});
+  add_rows<scalar_t>(dAf, qrows.data(), dAq.contiguous(), B * P);
+  grads[3 + 5 * l][k].copy_(dWin);
+  auto [dxn, dlw, dlb] = ln_backward(dA3.view({B * T, d}), x, mean, rstd, W.lnw[l], W.lnb[l]);
+  grads[1 + 5 * l][k].copy_(dlw);
+  grads[2 + 5 * l][k].copy_(dlb);
+  Tensor dx = dxn.contiguous();
+  add_rows<scalar_t>(dx, qrows.data(), dxL.contiguous(), B * P);  // the residual at the loss positions
+  // middle layers, last first
+  for (int64_t m = L - 2; m >= 1; --m) {
+    const int64_t o = kXl + 7 * (m - 1);
+    const Tensor &xm = sv[o], &Am = sv[o + 1], &meanm = sv[o + 2], &rstdm = sv[o + 3], &proj = sv[o + 4],
+                 &Pm = sv[o + 5], &Zm = sv[o + 6];
+    grads[4 + 5 * m][k].copy_(at::mm(dx.t(), Zm));
+    Tensor dZ = at::mm(dx, W.wout[m]);
+    Tensor dproj = at::zeros_like(proj);
+    full_backward<scalar_t>(D, Rows0<scalar_t>{const_cast<scalar_t*>(proj.const_data_ptr<scalar_t>()), nullptr, T, D.W},
+                            Rows0<scalar_t>{dproj.mutable_data_ptr<scalar_t>(), nullptr, T, D.W},
+                            W.bpos[m].const_data_ptr<scalar_t>(), gp[m].const_data_ptr<scalar_t>(),
+                            gc[m].const_data_ptr<scalar_t>(), qs, Pm.const_data_ptr<scalar_t>(),
+                            dZ.const_data_ptr<scalar_t>(), grads[5 + 5 * m][k].mutable_data_ptr<scalar_t>(),
+                            dgp[m].mutable_data_ptr<scalar_t>(), dgc[m].mutable_data_ptr<scalar_t>());
+    grads[3 + 5 * m][k].copy_(at::mm(dproj.t(), Am));
+    auto [dxm, dlwm, dlbm] = ln_backward(at::mm(dproj, W.win[m]), xm, meanm, rstdm, W.lnw[m], W.lnb[m]);
+    grads[1 + 5 * m][k].copy_(dlwm);
+    grads[2 + 5 * m][k].copy_(dlbm);
+    dx = dx + dxm;
+  }
+  // layer 0 on the vocabulary
+  const Tensor &tab = sv[kTab], &A0 = sv[kA0], &mean0 = sv[kMean0], &rstd0 = sv[kRstd0], &P0 = sv[kP0], &Z0 = sv[kZ0];
+  grads[4][k].copy_(at::mm(dx.t(), Z0));
+  Tensor dZ0 = at::mm(dx, W.wout[0]);
+  Tensor dtab = at::zeros_like(tab);
+  const int64_t* tk = tok.const_data_ptr<int64_t>();
+  full_backward<scalar_t>(D, Rows0<scalar_t>{const_cast<scalar_t*>(tab.const_data_ptr<scalar_t>()), tk, T, D.W},
+                          Rows0<scalar_t>{dtab.mutable_data_ptr<scalar_t>(), tk, T, D.W},
+                          W.bpos[0].const_data_ptr<scalar_t>(), gp[0].const_data_ptr<scalar_t>(),
+                          gc[0].const_data_ptr<scalar_t>(), qs, P0.const_data_ptr<scalar_t>(),
+                          dZ0.const_data_ptr<scalar_t>(), grads[5][k].mutable_data_ptr<scalar_t>(),
+                          dgp[0].mutable_data_ptr<scalar_t>(), dgc[0].mutable_data_ptr<scalar_t>());
+  grads[3][k].copy_(at::mm(dtab.t(), A0));
+  auto [dEn, dlw0, dlb0] = ln_backward(at::mm(dtab, W.win[0]), W.E, mean0, rstd0, W.lnw[0], W.lnb[0]);
+  grads[1][k].copy_(dlw0);
+  grads[2][k].copy_(dlb0);
+  dE.add_(dEn);
+  add_rows<scalar_t>(dE, tk, dx.contiguous(), B * T);  // x_0 = E[tok]
+  grads[0][k].copy_(dE);
+}
+
+std::vector<Tensor> step_backward(const std::vector<Tensor>& params_, const Tensor& gp_, const Tensor& gc_,
+                                  const Tensor& tokens_, at::IntArrayRef pos_, double qs, int64_t rank,
+                                  const std::vector<Tensor>& saved, const Tensor& dlogits_) {
+  std::vector<Tensor> params;
+  for (const auto& p : params_) params.push_back(p.contiguous());
+  const Tensor gp = gp_.contiguous(), gc = gc_.contiguous(), tokens = tokens_.contiguous();
+  const Tensor dlogits = dlogits_.contiguous().to(params[0].scalar_type());
+  const std::vector<int64_t> pos(pos_.begin(), pos_.end());
+  const int64_t K = params[0].size(0), H = gp.size(2);
+  const Dims D = dims_of(params, tokens, H, rank, static_cast<int64_t>(pos.size()));
+  const int64_t per = static_cast<int64_t>(saved.size()) / K;
+  TORCH_CHECK(per * K == static_cast<int64_t>(saved.size()) && per == 6 + 7 * (D.L - 2) + 16,
+              "softprior step: the saved tensors do not match the model");
+  std::vector<Tensor> grads;
+  for (const auto& p : params) grads.push_back(at::zeros_like(p));
+  Tensor dgp = at::zeros_like(gp), dgc = at::zeros_like(gc);
+  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "softprior_step_backward", [&] {
+    for (int64_t k = 0; k < K; ++k) {
+      const Params W(params, k, D.L);
+      const std::vector<Tensor> sv(saved.begin() + k * per, saved.begin() + (k + 1) * per);
+      run_backward<scalar_t>(W, D, tokens[tokens.size(0) == 1 ? 0 : k], gp[k], gc[k], pos, static_cast<scalar_t>(qs),
+                             sv, dlogits[k], grads, k, dgp[k], dgc[k]);
+    }
+  });
+  grads.push_back(dgp);
+  grads.push_back(dgc);
+  return grads;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(softprior, m) {
+  m.def("step_forward(Tensor[] params, Tensor gp, Tensor gc, Tensor tokens, int[] pos, float qs, int rank, "
+        "bool save) -> Tensor[]");
+  m.def("step_backward(Tensor[] params, Tensor gp, Tensor gc, Tensor tokens, int[] pos, float qs, int rank, "
+        "Tensor[] saved, Tensor dlogits) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(softprior, CPU, m) {
+  m.impl("step_forward", &step_forward);
+  m.impl("step_backward", &step_backward);
+}

@@ -1,0 +1,84 @@
+"""The whole training forward and backward in one C++ operator (``step.cpp``), for the fast path's
+commonest model; built with the attention operator into one library (``attention.py``).
+
+``step_logits(params, cfg, tokens, g_pos, g_content, positions)`` returns what
+``fastpath.fast_forward`` returns, the logits at the loss positions for K run-stacked runs, as one
+autograd node: ``softprior::step_forward`` computes them (and keeps what the backward reads) and
+``softprior::step_backward`` every parameter's gradient and the gates', without an autograd graph
+of the model's hundreds of operators (docs/PERFORMANCE.md, "The whole-step operator").
+
+``supports(cfg, tokens, T, P)`` says where it applies: the paper's soft prior with no positional
+scheme, LayerNorm before each block, a token task, a context that fits the position table, at
+least two layers and a last layer that reads few positions (2P <= T, fastpath point 4).
+Elsewhere the fast path runs as before (with the attention operator where it applies).
+``SOFTPRIOR_KERNELS=attention`` keeps the attention operator but not this one.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from ..model import ModelConfig
+
+__all__ = ["supports", "step_logits", "param_names", "enabled"]
+
+
+def enabled() -> bool:
+    """Whether the whole-step operator may run: the library built and not switched off
+    (``SOFTPRIOR_KERNELS=0``, or ``=attention`` for the attention operator alone)."""
+    from .attention import ENV, available
+    if os.environ.get(ENV, "").strip().lower() == "attention":
+        return False
+    return available()
+
+
+def supports(cfg: ModelConfig, tokens: bool, T: int, P: int) -> bool:
+    """Whether ``step_logits`` computes this model at context T with P loss positions."""
+    return (tokens and cfg.positional == "none" and cfg.norm == "pre" and getattr(cfg, "prior_family", "soft") == "soft"
+            and cfg.n_layers >= 2 and T <= cfg.n_ctx and 2 * P <= T)
+
+
+@lru_cache(maxsize=None)
+def param_names(L: int) -> tuple[str, ...]:
+    """The parameters in the operator's order: the embedding, per layer (LayerNorm weight and bias,
+    in_proj, out_proj, B^pos), the final LayerNorm."""
+    names = ["embed.weight"]
+    for l in range(L):
+        p = f"blocks.{l}."
+        names += [p + "ln.weight", p + "ln.bias", p + "attn.in_proj.weight", p + "attn.out_proj.weight",
+                  p + "attn.pos_bias"]
+    return tuple(names + ["ln_final.weight", "ln_final.bias"])
+
+
+class _Step(torch.autograd.Function):
+    """logits = the model at the loss positions; backward: every parameter's and gate's gradient."""
+
+    @staticmethod
+    def forward(ctx, meta, g_pos, g_content, *params):
+        tokens, pos, qs, rank = meta
+        save = torch.is_grad_enabled() or any(t.requires_grad for t in (g_pos, g_content, *params))
+        out = torch.ops.softprior.step_forward(list(params), g_pos, g_content, tokens, pos, qs, rank, save)
+        ctx.meta, ctx.saved, ctx.inputs = meta, out[1:], (g_pos, g_content, *params)
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, dlogits):
+        tokens, pos, qs, rank = ctx.meta
+        g_pos, g_content, *params = ctx.inputs
+        grads = torch.ops.softprior.step_backward(params, g_pos, g_content, tokens, pos, qs, rank, ctx.saved, dlogits)
+        ctx.saved = None
+        return (None, grads[-2], grads[-1], *grads[:-2])
+
+
+def step_logits(params: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Tensor, g_pos: torch.Tensor,
+                g_content: torch.Tensor, positions: tuple[int, ...]) -> torch.Tensor:
+    """[K, B, P, vocab] logits of K runs (``fastpath.fast_forward``'s contract): params run-stacked
+    [K, ...]; tokens [K, B, T] or [B, T] (shared); g_pos, g_content [K, L, H]; positions the loss positions."""
+    if tokens.dim() == 2:
+        tokens = tokens.unsqueeze(0)
+    dtype = params["embed.weight"].dtype
+    meta = (tokens.long(), list(positions), float(cfg.qk_scale), int(cfg.content_rank))
+    return _Step.apply(meta, g_pos.to(dtype), g_content.to(dtype), *(params[n] for n in param_names(cfg.n_layers)))
