@@ -174,36 +174,38 @@ def test_runs_are_bit_identical_to_the_recorded_reference(preset, task, monkeypa
     assert got == _want(ref, preset, task)
 
 
-# The same procedure with the fused attention operator (kernels/attention.py), which rounds otherwise
-# than the pure-PyTorch attention above: recorded at 7cdf74e (its first commit) on the ``SIGNATURE``
-# machine, one thread, by running ``_digest`` over ``_configs`` for ``train`` and ``train_group`` as
-# the test below does, and pasted here. The operator is built for the CPU it runs on
+# The same procedure with the fused operators (kernels/), which round otherwise than the pure-PyTorch
+# path above: recorded on the ``SIGNATURE`` machine, one thread, by running ``_digest`` over ``_configs``
+# for ``train`` and ``train_group`` as the test below does, and pasted here. Linear ICL's were recorded
+# at 7cdf74e (the attention operator's first commit); associative recall's and Markov's (the whole-step
+# operator, kernels/step.py, computes their uncalibrated configs: a few loss positions) at the commit
+# that brought that operator in. The operator is built for the CPU it runs on
 # (``-march=native``), so these hold on that CPU family only.
 FUSED = {
-    "single/base/assoc_recall/dual_loss": "420fb60e6f321777",
-    "single/base/assoc_recall/linear0.5->0": "6ed99df51801d4f6",
-    "single/base/assoc_recall/prior_dropout": "096047cf95936cb2",
-    "single/base/assoc_recall/unforced": "1a540ac69c5e755d",
+    "single/base/assoc_recall/dual_loss": "125d8ffe9bf3b572",
+    "single/base/assoc_recall/linear0.5->0": "f68a3a9e13925589",
+    "single/base/assoc_recall/prior_dropout": "a61fff6add9e5aaf",
+    "single/base/assoc_recall/unforced": "7c63cdab0c13988a",
     "single/base/linear_icl/dual_loss": "38b843cfb257c706",
     "single/base/linear_icl/linear0.5->0": "c6c9aaca8a0e0f2a",
     "single/base/linear_icl/prior_dropout": "61343338e077f8e1",
     "single/base/linear_icl/unforced": "e987931703b35fc2",
-    "single/base/markov/dual_loss": "aabbe33b53b64f4f",
-    "single/base/markov/linear0.5->0": "37008fec53dd9f0d",
-    "single/base/markov/prior_dropout": "1f749e4db62ed4e9",
-    "single/base/markov/unforced": "2d5688d5b0adb6b5",
-    "single/large/assoc_recall/dual_loss": "c730aea8579a80b6",
-    "single/large/assoc_recall/linear0.5->0": "1f4f060399bdac4f",
-    "single/large/assoc_recall/prior_dropout": "a80799d25124c106",
-    "single/large/assoc_recall/unforced": "cf4d7fd7c8cd2aac",
+    "single/base/markov/dual_loss": "b93e8d88820982bb",
+    "single/base/markov/linear0.5->0": "f1173f9f473669b8",
+    "single/base/markov/prior_dropout": "c0781b285dccc883",
+    "single/base/markov/unforced": "74a040cfe5787308",
+    "single/large/assoc_recall/dual_loss": "6b2d761bd3ce1993",
+    "single/large/assoc_recall/linear0.5->0": "b9f28e178b94c38b",
+    "single/large/assoc_recall/prior_dropout": "83e5c40ce04b04a2",
+    "single/large/assoc_recall/unforced": "56f2eaf055222197",
     "single/large/linear_icl/dual_loss": "9140bb47b32c8204",
     "single/large/linear_icl/linear0.5->0": "a833aef4cc58e10e",
     "single/large/linear_icl/prior_dropout": "a57edb6539afae37",
     "single/large/linear_icl/unforced": "15f3598830f9c581",
-    "single/large/markov/dual_loss": "d583026d37f82f5b",
-    "single/large/markov/linear0.5->0": "0aba3e9f84971798",
-    "single/large/markov/prior_dropout": "0b614ab87cf53d7f",
-    "single/large/markov/unforced": "d14c54d301c9f068",
+    "single/large/markov/dual_loss": "7dc4fd4df8164bb5",
+    "single/large/markov/linear0.5->0": "58fca00987aecd3e",
+    "single/large/markov/prior_dropout": "45c3b4246911f5c1",
+    "single/large/markov/unforced": "af2d7a6a79e1af83",
 }
 
 

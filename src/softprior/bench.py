@@ -4,8 +4,8 @@ Reports the fp32 GEMM rate measured now, the model FLOPs per training step count
 shapes, ms per step of a single base run (and its model-FLOP utilisation, achieved / GEMM), ms per
 run-step when K runs train together (``engine.train_group``), and the same for the plain nn.Module
 reference in ``benchmarks/reference.py`` (measured alternately with ours, so machine noise hits both), and
-the fused attention operator (``kernels/``) against the same engine without it and the reference, for
-both presets, K = 1 and 8, 1 and 2 threads (``engine_table``; alone: ``--engines-only``).
+the fused operators (``kernels/``: the whole step and the attention) against the engine with the
+attention operator alone, without either, and the reference, for both presets, K = 1 and 8, 1 and 2 threads (``engine_table``; alone: ``--engines-only``).
 A benchmark, not a test: the numbers go to stdout, never into assertions.
 """
 
@@ -345,21 +345,26 @@ def _runs_step(cfgs):
     return lambda: runs.step(0)
 
 
-class _attention_backend:
-    """Within it, the fast path runs the pure-PyTorch attention (``fused=False``: ``SOFTPRIOR_KERNELS=0``,
-    the engine before the fused operator) or the fused operator where it builds (``fused=True``)."""
+_ENGINES = {"fused": None, "attention": "attention", "torch": "0"}  # name: SOFTPRIOR_KERNELS within it
 
-    def __init__(self, fused: bool):
-        self.fused = fused
+
+class _engine:
+    """Within it, the fast path runs as engine ``name``: "fused" (both operators where they build: the
+    whole step, ``kernels/step.py``, and the attention, ``kernels/attention.py``), "attention" (the
+    attention operator alone: ``SOFTPRIOR_KERNELS=attention``) or "torch" (neither: ``SOFTPRIOR_KERNELS=0``,
+    the engine before the fused operators)."""
+
+    def __init__(self, name: str):
+        self.value = _ENGINES[name]
 
     def __enter__(self):
         import os
         from .kernels import ENV
         self.old = os.environ.get(ENV)
-        if self.fused:
+        if self.value is None:
             os.environ.pop(ENV, None)
         else:
-            os.environ[ENV] = "0"
+            os.environ[ENV] = self.value
 
     def __exit__(self, *exc):
         import os
@@ -371,16 +376,17 @@ class _attention_backend:
 
 def engine_table(ref_mod, models=("base", "large"), ks=(1, 8), thread_counts=(1, 2), quick: bool = False,
                  log=print) -> dict:
-    """The fused attention operator against the engine without it (its pure-PyTorch fallback,
+    """The fused engine (the whole-step operator where it applies, the attention operator elsewhere)
+    against the attention operator alone, the engine without either (the pure-PyTorch path,
     ``fastpath._Attention``) and the plain reference (``benchmarks/reference.py`` at the same size), per
     model preset, thread count and K: ms per run-step of one training step (``train.Runs.step`` over K
     associative-recall runs; the reference trains one run, and K sequential runs cost K times one), the
-    three alternating so that machine noise hits all, medians of ``reps`` samples; and the fused step's
+    four alternating so that machine noise hits all, medians of ``reps`` samples; and the fused step's
     fraction of the GEMM rate at that thread count (model FLOP per run-step, ``flops.train_step_flops``,
     over its time, over the faster of ``gemm_rate(threads)`` before and after the table)."""
     from .config import make_run_config
-    from .kernels import attention_backend
-    out: dict = {"attention_backend": attention_backend(), "gemm_gflops_by_threads": {}}
+    from .kernels import attention_backend, step
+    out: dict = {"attention_backend": attention_backend(), "step_operator": step.enabled(), "gemm_gflops_by_threads": {}}
     old = torch.get_num_threads()
     try:
         for th in thread_counts:
@@ -398,29 +404,31 @@ def engine_table(ref_mod, models=("base", "large"), ks=(1, 8), thread_counts=(1,
                 for K in ks:
                     cfgs = [make_run_config("assoc_recall", "fade600" if k % 2 else "unforced", k, model=model)
                             for k in range(K)]
-                    steps = {name: _runs_step(cfgs) for name in ("fused", "torch")}
+                    steps = {name: _runs_step(cfgs) for name in _ENGINES}
                     n = max(2, (4 if quick else 16) // K) if model == "base" else max(1, (2 if quick else 6) // K)
                     reps = 2 if quick else 5
-                    samples: dict[str, list[float]] = {"fused": [], "torch": [], "reference": []}
+                    samples: dict[str, list[float]] = {**{name: [] for name in _ENGINES}, "reference": []}
                     for rep in range(reps + 1):  # the first round warms up
-                        for name in ("fused", "torch"):
-                            with _attention_backend(name == "fused"):
+                        for name in _ENGINES:
+                            with _engine(name):
                                 ms = _time(steps[name], n) / K
                             samples[name].append(ms)
                         if K == ks[0]:
                             samples["reference"].append(_time(ref, n))
                     med = {k: statistics.median(v[1:]) for k, v in samples.items() if v}
                     ref_ms = med.get("reference", ref_ms)
-                    row = {"fused_ms": round(med["fused"], 3), "torch_ms": round(med["torch"], 3),
-                           "reference_ms": round(ref_ms, 3), "fused_vs_torch": round(med["torch"] / med["fused"], 3),
+                    row = {"fused_ms": round(med["fused"], 3), "attention_ms": round(med["attention"], 3),
+                           "torch_ms": round(med["torch"], 3), "reference_ms": round(ref_ms, 3),
+                           "fused_vs_torch": round(med["torch"] / med["fused"], 3),
+                           "fused_vs_attention": round(med["attention"] / med["fused"], 3),
                            "fused_vs_reference": round(ref_ms / med["fused"], 3),
                            "fused_gemm_fraction": round(flops / (med["fused"] / 1e3) / (gemm * 1e9), 4),
                            "torch_gemm_fraction": round(flops / (med["torch"] / 1e3) / (gemm * 1e9), 4)}
                     out.setdefault(model, {}).setdefault(str(th), {})[f"K{K}"] = row
                     rows.append((row, flops, th))
-                    log(f"  {model}, {th} thread(s), K = {K}: fused {row['fused_ms']:.2f}, without it "
-                        f"{row['torch_ms']:.2f}, reference {row['reference_ms']:.2f} ms per run-step;  fused "
-                        f"{row['fused_vs_torch']:.2f}x the engine without it, {row['fused_vs_reference']:.2f}x the "
+                    log(f"  {model}, {th} thread(s), K = {K}: fused {row['fused_ms']:.2f}, attention operator alone "
+                        f"{row['attention_ms']:.2f}, without either {row['torch_ms']:.2f}, reference {row['reference_ms']:.2f} ms per run-step;  fused "
+                        f"{row['fused_vs_torch']:.2f}x the engine without them, {row['fused_vs_reference']:.2f}x the "
                         f"reference, {row['fused_gemm_fraction']:.1%} of the GEMM rate read before ({gemm:.0f} GFLOP/s)")
         # the GEMM rate again after the table, the faster of the two kept (a busy moment reads low), and
         # the fractions taken against it
@@ -473,7 +481,8 @@ def _large_line(ref_mod, quick: bool, thread_counts, log) -> tuple[float, float,
 def _attention_label() -> str:
     from .kernels import attention_backend, build_error
     b = attention_backend()
-    return b if b == "fused-cpp" else f"{b} (the fused operator did not build: {build_error() or 'switched off'})"
+    return (b + " (the attention and the whole-step operators)" if b == "fused-cpp"
+            else f"{b} (the fused operators did not build: {build_error() or 'switched off'})")
 
 
 def run_engines(quick: bool = False, log=print) -> dict:

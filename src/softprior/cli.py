@@ -1062,8 +1062,8 @@ def _add_tool_parsers(sub) -> None:
                    help="also time a sweep of N base runs through the sweep driver (all cores), vs N reference runs")
     b.add_argument("--sweep-steps", type=int, default=3600, help="steps per run in --sweep")
     b.add_argument("--engines-only", action="store_true",
-                   help="only the fused attention against the engine without it and the reference (base and large, "
-                        "K = 1 and 8, 1 and 2 threads)")
+                   help="only the fused engine against the attention operator alone, the engine without either "
+                        "and the reference (base and large, K = 1 and 8, 1 and 2 threads)")
     b.set_defaults(fn=cmd_bench)
     ex = sub.add_parser("export", help="export a stored run to another library's format")
     ex.add_argument("run_id")

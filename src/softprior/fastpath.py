@@ -3,7 +3,7 @@ batched over a leading run dimension K (K = 1 for a single run).
 
 ``model.SoftPriorTransformer`` stays the one definition of the model; this module computes the
 same logits from the same parameters (a test holds logits and gradients equal to 1e-5 on random
-weights, ``tests/test_fastpath.py``) with fewer, larger kernels. Autograd does the backward, except
+weights, ``tests/test_fastpath.py``) with fewer, larger kernels (or one: point 7). Autograd does the backward, except
 for two small ``autograd.Function``s with hand-written backwards (``_Gather``, ``_Attention``). ``_Attention``
 runs as the fused C++ operator of ``kernels/attention.py`` where that builds (``_attention``).
 
@@ -62,6 +62,11 @@ What it does differently (each an exact algebraic identity, so only rounding dif
    Against ``vmap`` of the readable model, per run-step (docs/PERFORMANCE.md): ~2x for the bias
    schemes and NoPE, 1.2-1.4x for vanilla, 1.1-1.4x for RoPE (the contextual schemes:
    benchmarks/contextual_fastpath.py).
+
+7. **The whole step in one operator** where it applies (``kernels/step.py``: the soft prior with no
+   positional scheme, pre-LayerNorm, a token task whose last layer is re-associated): points 1-5 computed
+   in C++ with their backward, layer 0's logits on vocabulary pairs, no autograd graph of the ops above.
+   Elsewhere the functions below run, the attention through the fused operator where it builds.
 
 Supported: the soft-prior model with no positional scheme or any registered one (nope, alibi, t5,
 kerple, kerple_power, fire, vanilla, rope, cope, dape, gpsa; the soft_* baselines and every path),

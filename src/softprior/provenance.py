@@ -27,11 +27,14 @@ def _static() -> dict:
 def provenance() -> dict:
     """``attention_backend``: the attention the fast path ran in this process, "fused-cpp" (the C++
     operator, ``kernels/attention.py``) or "torch" (its pure-PyTorch fallback); "unused" where this
-    process has not run it (``kernels.attention_backend(build=False)``: recording it never builds)."""
+    process has not run it (``kernels.attention_backend(build=False)``: recording it never builds).
+    ``step_operator``: whether the whole-step operator (``kernels/step.py``) has computed a training or
+    evaluation step in this process."""
     import torch
 
-    from .kernels import attention_backend
-    return {**_static(), "threads": torch.get_num_threads(), "attention_backend": attention_backend(build=False)}
+    from .kernels import attention_backend, step
+    return {**_static(), "threads": torch.get_num_threads(), "attention_backend": attention_backend(build=False),
+            "step_operator": step.used()}
 
 
 def code_version(summary: dict) -> str:

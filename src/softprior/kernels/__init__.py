@@ -1,8 +1,11 @@
 """Compiled CPU kernels for the fast path (``fastpath.py``), each with a pure-PyTorch fallback.
 
 ``attention``: the fused attention operator (``kernels/attention.py``, ``kernels/attention.cpp``).
-``attention_backend()`` says which attention runs ("fused-cpp" or "torch"); ``SOFTPRIOR_KERNELS=0``
-forces the pure-PyTorch path.
+``step``: the whole training forward and backward of the commonest model in one operator
+(``kernels/step.py``, ``kernels/step.cpp``); both are built into one library, sharing ``blocks.h``.
+``attention_backend()`` says which attention runs ("fused-cpp" or "torch"), ``step.used()`` whether the
+whole-step operator has run; ``SOFTPRIOR_KERNELS=0`` forces the pure-PyTorch path,
+``SOFTPRIOR_KERNELS=attention`` the attention operator without the whole-step one.
 """
 
 from .attention import ENV, attention, attention_backend, available, build_error

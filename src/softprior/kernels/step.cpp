@@ -30,6 +30,9 @@ struct Dims {
   int64_t B, T, d, H, dh, r, e, W, V, P, nctx, L;
 };
 
+// whether layer 0 runs on vocabulary pairs (vocab_forward): fewer pairs than (example, query, key) triples
+inline bool pairs(const Dims& D) { return D.V * D.V <= D.B * D.T * D.T; }
+
 // the rows of a layer's in_proj output: row (b, i) is base[idx(b, i)] with idx the token (layer 0, on
 // the vocabulary) or b*T + i (a middle layer's projection of every position)
 template <typename scalar_t>
@@ -209,6 +212,165 @@ void full_backward(const Dims& D, const Rows0<scalar_t>& src, const Rows0<scalar
   });
 }
 
+// Layer 0 on vocabulary pairs: its q_ext, k_ext and v are functions of the token alone (fastpath point 3),
+// so the content part of every logit is a score of a (query token, key token) pair,
+// S^v_h[a, c] = q_ext,h(a) . k_ext,h(c), formed once per head ([V, V]) and gathered per block:
+// S_ij = S^v_h[tok_i, tok_j] + bias_ij. The backward sums dS onto the same pairs (dS^v_h) and takes
+// dq_ext = dS^v k_ext and dk_ext = dS^v^T q_ext once per head. Used where the pairs are fewer than a
+// layer's (example, query, key) triples (V^2 <= B T^2: the vocabularies of the paper's token tasks).
+template <typename scalar_t>
+struct VocabHead {  // one head's tables, rows padded to whole tiles
+  int64_t V, VR, VP, EP, DP;
+  Buffer<scalar_t> qe, ke, keT, vv, vT, sv;
+  VocabHead(const Dims& D)
+      : V(D.V), VR(rounded(D.V, R)), VP(padded(D.V)), EP(padded(D.e)), DP(padded(D.dh)), qe(VR * EP), ke(VR * EP),
+        keT(D.e * VP), vv(D.V * DP), vT(D.dh * VP), sv(VR * VP) {}
+};
+
+template <typename scalar_t>
+void vocab_tables(const Dims& D, const scalar_t* tab, int64_t h, scalar_t qs, scalar_t gc, VocabHead<scalar_t>& t) {
+  const int64_t d = D.d, dh = D.dh, r = D.r, Hr = D.H * D.r;
+  for (int64_t a = 0; a < D.V; ++a) {
+    const scalar_t* x = tab + a * D.W;
+    for (int64_t c = 0; c < dh; ++c) {
+      t.qe[a * t.EP + c] = qs * x[h * dh + c];
+      t.ke[a * t.EP + c] = t.keT[c * t.VP + a] = x[d + h * dh + c];
+      t.vv[a * t.DP + c] = t.vT[c * t.VP + a] = x[2 * d + h * dh + c];
+    }
+    for (int64_t c = 0; c < r; ++c) {
+      t.qe[a * t.EP + dh + c] = gc * x[3 * d + h * r + c];
+      t.ke[a * t.EP + dh + c] = t.keT[(dh + c) * t.VP + a] = x[3 * d + Hr + h * r + c];
+    }
+  }
+  for (int64_t g = 0; g < t.VR / R; ++g)  // S^v = q_ext k_ext^T
+    rows_times(Rows<scalar_t>(t.qe.get(), t.EP, g * R, D.V).p, 1, 0, D.e, t.keT.get(), t.VP, t.VP / VL,
+               t.sv.get() + g * R * t.VP, t.VP);
+}
+
+template <typename scalar_t>
+void vocab_forward(const Dims& D, const scalar_t* tab, const int64_t* tok, const scalar_t* bpos, const scalar_t* gp,
+                   const scalar_t* gc, scalar_t qs, scalar_t* Z, scalar_t* P) {
+  const auto bias = full_bias(bpos, gp, D);
+  const Mask<scalar_t> mask(bias.data(), D.H, D.T, D.T);
+  std::vector<VocabHead<scalar_t>> heads;
+  for (int64_t h = 0; h < D.H; ++h) heads.emplace_back(D);
+  at::parallel_for(0, D.H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) vocab_tables(D, tab, h, qs, gc[h], heads[h]);
+  });
+  const int64_t T = D.T, TP = padded(T), QR = rounded(T, R), G = QR / R, dh = D.dh;
+  at::parallel_for(0, D.H * D.B, 1, [&](int64_t begin, int64_t end) {
+    Buffer<scalar_t> S(QR * TP), vb(TP * padded(dh)), out(QR * padded(dh));
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t h = n / D.B, b = n % D.B, DP = heads[h].DP, VP = heads[h].VP;
+      const int64_t* tk = tok + b * T;
+      const scalar_t* sv = heads[h].sv.get();
+      for (int64_t j = 0; j < T; ++j) copy_n(heads[h].vv.get() + tk[j] * DP, DP, vb.get() + j * DP);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t glim = mask.group_lim(h, T, g), tiles = (glim + VL - 1) / VL;
+        for (int64_t i = g * R; i < std::min(T, g * R + R); ++i) {
+          scalar_t* row = S.get() + i * TP;
+          const scalar_t* si = sv + tk[i] * VP;
+          for (int64_t j = 0; j < glim; ++j) row[j] = si[tk[j]];
+          for (int64_t j = glim; j < tiles * VL; ++j) row[j] = 0;
+          softmax_row(row, mask.bias.get() + (h * T + i) * TP, tiles, TP);
+        }
+        rows_times(Rows<scalar_t>(S.get(), TP, g * R, QR).p, 1, 0, glim, vb.get(), DP, DP / VL, out.get() + g * R * DP, DP);
+      }
+      for (int64_t i = 0; i < T; ++i) {
+        copy_n(out.get() + i * DP, dh, Z + (b * T + i) * D.d + h * dh);
+        copy_n(S.get() + i * TP, TP, P + (n * T + i) * TP);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, const scalar_t* bpos, const scalar_t* gp,
+                    const scalar_t* gc, scalar_t qs, const scalar_t* P, const scalar_t* dZ, scalar_t* dtab,
+                    scalar_t* dbpos, scalar_t* dgp, scalar_t* dgc) {
+  const auto bias = full_bias(bpos, gp, D);
+  const Mask<scalar_t> mask(bias.data(), D.H, D.T, D.T);
+  const int64_t T = D.T, TP = padded(T), QR = rounded(T, R), G = QR / R, GK = QR / R, dh = D.dh, r = D.r, d = D.d;
+  const int64_t Hr = D.H * r;
+  at::parallel_for(0, D.H, 1, [&](int64_t h0, int64_t h1) {
+    VocabHead<scalar_t> t(D);
+    const int64_t VP = t.VP, DP = t.DP, EP = t.EP;
+    Buffer<scalar_t> dbias(T * TP), dsv(t.VR * VP), dvv(D.V * DP), dz(QR * DP), dpv(QR * VP), dp(QR * TP), ds(QR * TP),
+        out(QR * DP), dq(t.VR * EP), dk(t.VR * EP);
+    for (int64_t h = h0; h < h1; ++h) {
+      vocab_tables(D, tab, h, qs, gc[h], t);
+      std::fill(dbias.get(), dbias.get() + T * TP, scalar_t(0));
+      std::fill(dsv.get(), dsv.get() + t.VR * VP, scalar_t(0));
+      std::fill(dvv.get(), dvv.get() + D.V * DP, scalar_t(0));
+      for (int64_t b = 0; b < D.B; ++b) {
+        const int64_t* tk = tok + b * T;
+        const scalar_t* Pn = P + (h * D.B + b) * T * TP;
+        for (int64_t i = 0; i < T; ++i) copy_n(dZ + (b * T + i) * d + h * dh, dh, dz.get() + i * DP);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t glim = mask.group_lim(h, T, g), tiles = (glim + VL - 1) / VL;
+          // dP_ij = dz_i . v(tok_j): dz v^T on the vocabulary, gathered by key token
+          rows_times(Rows<scalar_t>(dz.get(), DP, g * R, T).p, 1, 0, dh, t.vT.get(), VP, VP / VL, dpv.get() + g * R * VP, VP);
+          for (int64_t i = g * R; i < std::min(T, g * R + R); ++i) {
+            scalar_t* dpi = dp.get() + i * TP;
+            const scalar_t* pv = dpv.get() + i * VP;
+            for (int64_t j = 0; j < glim; ++j) dpi[j] = pv[tk[j]];
+            for (int64_t j = glim; j < tiles * VL; ++j) dpi[j] = 0;
+            softmax_grad_row(Pn + i * TP, dpi, ds.get() + i * TP, tiles, TP);
+            const scalar_t* dsi = ds.get() + i * TP;
+            scalar_t* acc = dbias.get() + i * TP;
+            scalar_t* pair = dsv.get() + tk[i] * VP;
+            for (int64_t j = 0; j < glim; ++j) {
+              acc[j] += dsi[j];
+              pair[tk[j]] += dsi[j];
+            }
+          }
+        }
+        // dv = P^T dz, R keys at a time, onto the key tokens' rows
+        for (int64_t g = 0; g < GK; ++g) {
+          const int64_t* f = mask.first.data() + h * QR + g * R;
+          const int64_t i0 = *std::min_element(f, f + R);
+          rows_times(Rows<scalar_t>(Pn, 1, g * R, T).p, TP, i0, T, dz.get(), DP, DP / VL, out.get() + g * R * DP, DP);
+          for (int64_t j = g * R; j < std::min(T, g * R + R); ++j) {
+            scalar_t* o = dvv.get() + tk[j] * DP;
+            const scalar_t* x = out.get() + j * DP;
+            for (int64_t c = 0; c < DP; ++c) o[c] += x[c];
+          }
+        }
+      }
+      // dq_ext = dS^v k_ext, dk_ext = dS^v^T q_ext, once per head
+      for (int64_t g = 0; g < t.VR / R; ++g) {
+        rows_times(Rows<scalar_t>(dsv.get(), VP, g * R, D.V).p, 1, 0, D.V, t.ke.get(), EP, EP / VL, dq.get() + g * R * EP, EP);
+        rows_times(Rows<scalar_t>(dsv.get(), 1, g * R, D.V).p, VP, 0, D.V, t.qe.get(), EP, EP / VL, dk.get() + g * R * EP, EP);
+      }
+      scalar_t g = 0;
+      for (int64_t a = 0; a < D.V; ++a) {
+        scalar_t* gx = dtab + a * D.W;
+        const scalar_t* x = tab + a * D.W;
+        const scalar_t *q = dq.get() + a * EP, *k = dk.get() + a * EP, *v = dvv.get() + a * DP;
+        for (int64_t c = 0; c < dh; ++c) {
+          gx[h * dh + c] = qs * q[c];
+          gx[d + h * dh + c] = k[c];
+          gx[2 * d + h * dh + c] = v[c];
+        }
+        for (int64_t c = 0; c < r; ++c) {
+          gx[3 * d + h * r + c] = gc[h] * q[dh + c];
+          g += q[dh + c] * x[3 * d + h * r + c];
+          gx[3 * d + Hr + h * r + c] = k[dh + c];
+        }
+      }
+      dgc[h] += g;
+      scalar_t gg = 0;
+      for (int64_t i = 0; i < T; ++i)
+        for (int64_t j = 0; j <= i; ++j) {
+          const int64_t o = h * D.nctx + std::min(i - j, D.nctx - 1);
+          gg += dbias[i * TP + j] * bpos[o];
+          dbpos[o] += gp[h] * dbias[i * TP + j];
+        }
+      dgp[h] += gg;
+    }
+  });
+}
+
 // dst[index[n]] += src[n] for the rows n = 0..rows-1 in order (index_add_ without its sort): the rows
 // of a [rows, d] and a [*, d] tensor, both contiguous
 template <typename scalar_t>
@@ -228,19 +390,86 @@ std::vector<int64_t> query_rows(const std::vector<int64_t>& pos, int64_t B, int6
   return rows;
 }
 
-// the last layer's position bias at the loss positions, [H, P, T] (-inf past each query)
+// sum_c a[c] b[c] over n elements: VL lanes accumulated in order, reduced in a fixed order, then the tail
 template <typename scalar_t>
-Tensor last_bias(const Tensor& bpos, const Tensor& gp, const std::vector<int64_t>& pos, const Dims& D) {
-  Tensor out = at::empty({D.H, D.P, D.T}, bpos.options());
+inline scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
+  using V = typename Lanes<scalar_t>::type;
+  using U = typename Unaligned<scalar_t>::type;
+  V acc = V{};
+  int64_t c = 0;
+  for (; c + VL <= n; c += VL) acc += *reinterpret_cast<const U*>(a + c) * *reinterpret_cast<const U*>(b + c);
+  scalar_t s = lane_sum(acc);
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// out[c] += w x[c] for c < n
+template <typename scalar_t>
+inline void axpy(scalar_t w, const scalar_t* x, scalar_t* out, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) out[c] += w * x[c];
+}
+
+// The last layer's attention at the loss positions (fastpath point 4), one example at a time: with
+// qt = W_{K,W}^T q_ext per (head, position) (QT [H, B*P, d]) and A = LN(x) ([B*T, d]),
+// s_j = qt . A_j + g_pos,h B^pos[h, pos - j] for j <= pos, P = softmax(s) ([B, H, P, T], zero past
+// each query) and abar = sum_j P_j A_j ([H, B*P, d]).
+template <typename scalar_t>
+void last_forward(const Dims& D, const std::vector<int64_t>& pos, const scalar_t* QT, const scalar_t* A,
+                  const scalar_t* bpos, const scalar_t* gp, scalar_t* Pr, scalar_t* abar) {
+  const int64_t B = D.B, T = D.T, d = D.d, H = D.H, P = D.P, TP = padded(T);
   const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
-  const scalar_t* bp = bpos.const_data_ptr<scalar_t>();
-  const scalar_t* g = gp.const_data_ptr<scalar_t>();
-  scalar_t* o = out.mutable_data_ptr<scalar_t>();
-  for (int64_t h = 0; h < D.H; ++h)
-    for (int64_t p = 0; p < D.P; ++p)
-      for (int64_t j = 0; j < D.T; ++j)
-        o[(h * D.P + p) * D.T + j] = j <= pos[p] ? g[h] * bp[h * D.nctx + std::min(pos[p] - j, D.nctx - 1)] : ninf;
-  return out;
+  Buffer<scalar_t> bias(H * P * TP);  // -inf past each query, so its softmax is 0 there
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t j = 0; j < TP; ++j)
+        bias[(h * P + p) * TP + j] = j <= pos[p] ? gp[h] * bpos[h * D.nctx + std::min(pos[p] - j, D.nctx - 1)] : ninf;
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    Buffer<scalar_t> row(TP);
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t n = pos[p] + 1, hbp = h * B * P + b * P + p;
+          for (int64_t j = 0; j < TP; ++j) row[j] = j < n ? dot(QT + hbp * d, A + (b * T + j) * d, d) : scalar_t(0);
+          softmax_row(row.get(), bias.get() + (h * P + p) * TP, (n + VL - 1) / VL, TP);
+          copy_n(row.get(), T, Pr + ((b * H + h) * P + p) * T);
+          scalar_t* out = abar + hbp * d;
+          std::fill(out, out + d, scalar_t(0));
+          for (int64_t j = 0; j < n; ++j) axpy(row[j], A + (b * T + j) * d, out, d);
+        }
+  });
+}
+
+// its backward, one example at a time: from dabar ([H, B*P, d]), dP_j = dabar . A_j, dS = P * (dP -
+// sum_j dP_j P_j), dqt = sum_j dS_j A_j (dQT, [H, B*P, d]), dA_j += P_j dabar + dS_j qt (dA [B*T, d],
+// zeroed by the caller), dS kept per example ([B, H, P, T]) for the bias's gradient
+template <typename scalar_t>
+void last_backward(const Dims& D, const std::vector<int64_t>& pos, const scalar_t* QT, const scalar_t* A,
+                   const scalar_t* Pr, const scalar_t* dabar, scalar_t* dQT, scalar_t* dA, scalar_t* dS) {
+  const int64_t B = D.B, T = D.T, d = D.d, H = D.H, P = D.P;
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t n = pos[p] + 1, hbp = h * B * P + b * P + p, r = ((b * H + h) * P + p) * T;
+          const scalar_t *pr = Pr + r, *da = dabar + hbp * d, *qt = QT + hbp * d;
+          scalar_t* ds = dS + r;
+          scalar_t sum = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            ds[j] = dot(da, A + (b * T + j) * d, d);
+            sum += ds[j] * pr[j];
+          }
+          scalar_t* dq = dQT + hbp * d;
+          std::fill(dq, dq + d, scalar_t(0));
+          for (int64_t j = 0; j < T; ++j) {
+            ds[j] = j < n ? pr[j] * (ds[j] - sum) : scalar_t(0);
+            if (j >= n) continue;
+            const scalar_t* a = A + (b * T + j) * d;
+            scalar_t* g = dA + (b * T + j) * d;
+            axpy(ds[j], a, dq, d);
+            for (int64_t c = 0; c < d; ++c) g[c] += pr[j] * da[c] + ds[j] * qt[c];
+          }
+        }
+  });
 }
 
 // parameters of one run, in the order step.py passes them: E, per layer (ln_w, ln_b, W_in, W_out,
@@ -290,7 +519,12 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   Tensor tab = at::mm(A0, W.win[0].t());  // [V, W]
   Tensor x = W.E.index_select(0, tok.reshape(-1));  // [B*T, d]
   Tensor Pl = at::empty({H, B, T, TP}, x.options()), Z = at::empty({B * T, d}, x.options());
-  full_forward<scalar_t>(D, Rows0<scalar_t>{tab.mutable_data_ptr<scalar_t>(), tk, T, D.W}, W.bpos[0].const_data_ptr<scalar_t>(),
+  if (pairs(D))
+    vocab_forward<scalar_t>(D, tab.const_data_ptr<scalar_t>(), tk, W.bpos[0].const_data_ptr<scalar_t>(),
+                            gp[0].const_data_ptr<scalar_t>(), gc[0].const_data_ptr<scalar_t>(), qs,
+                            Z.mutable_data_ptr<scalar_t>(), Pl.mutable_data_ptr<scalar_t>());
+  else
+    full_forward<scalar_t>(D, Rows0<scalar_t>{tab.mutable_data_ptr<scalar_t>(), tk, T, D.W}, W.bpos[0].const_data_ptr<scalar_t>(),
                          gp[0].const_data_ptr<scalar_t>(), gc[0].const_data_ptr<scalar_t>(), qs,
                          Z.mutable_data_ptr<scalar_t>(), Pl.mutable_data_ptr<scalar_t>());
   saved.insert(saved.end(), {tab, A0, mean0, rstd0, Pl, Z});
@@ -319,10 +553,10 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   Tensor UW = at::bmm(U, Wl.narrow(0, 3 * d + H * r, H * r).view({H, r, d}));
   Tensor gcl = gc[l].view({H, 1, 1});
   Tensor QT = at::add(QW.mul(qs), UW.mul(gcl));  // [H, B*P, d] = W_{K,W}^T q_ext
-  Tensor QTb = QT.view({H, B, P, d}).permute({1, 0, 2, 3}).reshape({B, H * P, d});
-  Tensor S = at::baddbmm(last_bias<scalar_t>(W.bpos[l], gp[l], pos, D).view({1, H * P, T}), QTb, A3.transpose(1, 2));
-  Tensor Pr = at::_softmax(S, -1, false);                                                 // [B, H*P, T]
-  Tensor abar = at::bmm(Pr, A3).view({B, H, P, d}).permute({1, 0, 2, 3}).reshape({H, B * P, d});
+  Tensor Pr = at::empty({B, H, P, T}, x.options()), abar = at::empty({H, B * P, d}, x.options());
+  last_forward<scalar_t>(D, pos, QT.const_data_ptr<scalar_t>(), A.const_data_ptr<scalar_t>(),
+                         W.bpos[l].const_data_ptr<scalar_t>(), gp[l].const_data_ptr<scalar_t>(),
+                         Pr.mutable_data_ptr<scalar_t>(), abar.mutable_data_ptr<scalar_t>());
   Tensor O = at::bmm(abar, Wl.narrow(0, 2 * d, d).view({H, dh, d}).transpose(1, 2));     // [H, B*P, dh]
   Tensor z = O.transpose(0, 1).reshape({B * P, d});
   Tensor xq = x.view({B, T, d}).index_select(1, posT).reshape({B * P, d});
@@ -387,18 +621,21 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
   Tensor dWin = at::zeros_like(Wl);
   dWin.narrow(0, 2 * d, d).copy_(at::bmm(dO.transpose(1, 2), abar).reshape({d, d}));
   Tensor dabar = at::bmm(dO, Wl.narrow(0, 2 * d, d).view({H, dh, d}));  // [H, B*P, d]
-  Tensor dabarb = dabar.view({H, B, P, d}).permute({1, 0, 2, 3}).reshape({B, H * P, d});
-  Tensor A3 = A.view({B, T, d});
-  Tensor dPr = at::bmm(dabarb, A3.transpose(1, 2));  // [B, H*P, T]
-  Tensor dA3 = at::bmm(Pr.transpose(1, 2), dabarb);  // [B, T, d]
-  Tensor dS = at::_softmax_backward_data(dPr, Pr, -1, Pr.scalar_type());
-  {  // the position bias at the loss positions: d g_pos and d B^pos, summed over the batch in order
-    Tensor dbias = dS.sum(0).contiguous();  // [H*P, T]
-    const scalar_t* db = dbias.const_data_ptr<scalar_t>();
+  Tensor dQT = at::empty({H, B * P, d}, A.options()), dA3 = at::zeros({B, T, d}, A.options());
+  Tensor dS = at::empty({B, H, P, T}, A.options());
+  last_backward<scalar_t>(D, pos, QT.const_data_ptr<scalar_t>(), A.const_data_ptr<scalar_t>(),
+                          Pr.const_data_ptr<scalar_t>(), dabar.const_data_ptr<scalar_t>(),
+                          dQT.mutable_data_ptr<scalar_t>(), dA3.mutable_data_ptr<scalar_t>(),
+                          dS.mutable_data_ptr<scalar_t>());
+  {  // the position bias at the loss positions: d g_pos and d B^pos, the batch summed in order
+    const scalar_t* ds = dS.const_data_ptr<scalar_t>();
     const scalar_t* bp = W.bpos[l].const_data_ptr<scalar_t>();
     scalar_t* dbp = grads[5 + 5 * l][k].mutable_data_ptr<scalar_t>();
     const scalar_t* g = gp[l].const_data_ptr<scalar_t>();
     scalar_t* dg = dgp[l].mutable_data_ptr<scalar_t>();
+    std::vector<scalar_t> db(H * P * T, scalar_t(0));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t n = 0; n < H * P * T; ++n) db[n] += ds[b * H * P * T + n];
     for (int64_t h = 0; h < H; ++h)
       for (int64_t p = 0; p < P; ++p)
         for (int64_t j = 0; j <= pos[p]; ++j) {
@@ -407,9 +644,6 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
           dbp[o] += g[h] * db[(h * P + p) * T + j];
         }
   }
-  Tensor QTb = QT.view({H, B, P, d}).permute({1, 0, 2, 3}).reshape({B, H * P, d});
-  Tensor dQT = at::bmm(dS, A3).view({B, H, P, d}).permute({1, 0, 2, 3}).reshape({H, B * P, d});
-  dA3.baddbmm_(dS.transpose(1, 2), QTb);
   Tensor gcl = gc[l].view({H, 1, 1});
   dgc[l].add_((dQT * UW).sum({1, 2}));
   Tensor dQW = dQT.mul(qs), dUW = dQT.mul(gcl);
@@ -418,7 +652,7 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
   dWin.narrow(0, d, d).copy_(at::bmm(Q.transpose(1, 2), dQW).reshape({d, d}));
   dWin.narrow(0, 3 * d + Hr, Hr).copy_(at::bmm(U.transpose(1, 2), dUW).reshape({Hr, d}));
   Tensor dQf = dQ.transpose(0, 1).reshape({B * P, d}), dUf = dU.transpose(0, 1).reshape({B * P, Hr});
-  Tensor Aq = A3.index_select(1, posT).reshape({B * P, d});
+  Tensor Aq = A.view({B, T, d}).index_select(1, posT).reshape({B * P, d});
   dWin.narrow(0, 0, d).copy_(at::mm(dQf.t(), Aq));
   dWin.narrow(0, 3 * d, Hr).copy_(at::mm(dUf.t(), Aq));
   Tensor dAq = at::addmm(at::mm(dQf, Wl.narrow(0, 0, d)), dUf, Wl.narrow(0, 3 * d, Hr));
@@ -457,7 +691,14 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
   Tensor dZ0 = at::mm(dx, W.wout[0]);
   Tensor dtab = at::zeros_like(tab);
   const int64_t* tk = tok.const_data_ptr<int64_t>();
-  full_backward<scalar_t>(D, Rows0<scalar_t>{const_cast<scalar_t*>(tab.const_data_ptr<scalar_t>()), tk, T, D.W},
+  if (pairs(D))
+    vocab_backward<scalar_t>(D, tab.const_data_ptr<scalar_t>(), tk, W.bpos[0].const_data_ptr<scalar_t>(),
+                             gp[0].const_data_ptr<scalar_t>(), gc[0].const_data_ptr<scalar_t>(), qs,
+                             P0.const_data_ptr<scalar_t>(), dZ0.const_data_ptr<scalar_t>(),
+                             dtab.mutable_data_ptr<scalar_t>(), grads[5][k].mutable_data_ptr<scalar_t>(),
+                             dgp[0].mutable_data_ptr<scalar_t>(), dgc[0].mutable_data_ptr<scalar_t>());
+  else
+    full_backward<scalar_t>(D, Rows0<scalar_t>{const_cast<scalar_t*>(tab.const_data_ptr<scalar_t>()), tk, T, D.W},
                           Rows0<scalar_t>{dtab.mutable_data_ptr<scalar_t>(), tk, T, D.W},
                           W.bpos[0].const_data_ptr<scalar_t>(), gp[0].const_data_ptr<scalar_t>(),
                           gc[0].const_data_ptr<scalar_t>(), qs, P0.const_data_ptr<scalar_t>(),

@@ -23,7 +23,9 @@ import torch
 
 from ..model import ModelConfig
 
-__all__ = ["supports", "step_logits", "param_names", "enabled"]
+__all__ = ["supports", "step_logits", "param_names", "enabled", "used"]
+
+_state = {"used": False}  # whether step_logits has run in this process (provenance records it)
 
 
 def enabled() -> bool:
@@ -33,6 +35,12 @@ def enabled() -> bool:
     if os.environ.get(ENV, "").strip().lower() == "attention":
         return False
     return available()
+
+
+def used() -> bool:
+    """Whether the whole-step operator has run in this process (a run summary records it:
+    ``provenance``, ``step_operator``)."""
+    return _state["used"]
 
 
 def supports(cfg: ModelConfig, tokens: bool, T: int, P: int) -> bool:
@@ -58,18 +66,22 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, g_pos, g_content, *params):
-        tokens, pos, qs, rank = meta
-        save = torch.is_grad_enabled() or any(t.requires_grad for t in (g_pos, g_content, *params))
-        out = torch.ops.softprior.step_forward(list(params), g_pos, g_content, tokens, pos, qs, rank, save)
+        tokens, pos, qs, rank, save = meta
+        # on detached tensors: the dispatcher's autograd fallback would otherwise give each output a node
+        out = torch.ops.softprior.step_forward([p.detach() for p in params], g_pos.detach(), g_content.detach(),
+                                               tokens, pos, qs, rank, save)
         ctx.meta, ctx.saved, ctx.inputs = meta, out[1:], (g_pos, g_content, *params)
         return out[0]
 
     @staticmethod
     def backward(ctx, dlogits):
-        tokens, pos, qs, rank = ctx.meta
+        tokens, pos, qs, rank, _ = ctx.meta
+        if not ctx.saved:
+            raise RuntimeError("softprior step: backward through a step whose forward kept nothing for it")
         g_pos, g_content, *params = ctx.inputs
-        grads = torch.ops.softprior.step_backward(params, g_pos, g_content, tokens, pos, qs, rank, ctx.saved, dlogits)
-        ctx.saved = None
+        with torch.no_grad():
+            grads = torch.ops.softprior.step_backward([p.detach() for p in params], g_pos.detach(), g_content.detach(),
+                                                      tokens, pos, qs, rank, ctx.saved, dlogits)
         return (None, grads[-2], grads[-1], *grads[:-2])
 
 
@@ -77,8 +89,12 @@ def step_logits(params: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch
                 g_content: torch.Tensor, positions: tuple[int, ...]) -> torch.Tensor:
     """[K, B, P, vocab] logits of K runs (``fastpath.fast_forward``'s contract): params run-stacked
     [K, ...]; tokens [K, B, T] or [B, T] (shared); g_pos, g_content [K, L, H]; positions the loss positions."""
+    _state["used"] = True
     if tokens.dim() == 2:
         tokens = tokens.unsqueeze(0)
     dtype = params["embed.weight"].dtype
-    meta = (tokens.long(), list(positions), float(cfg.qk_scale), int(cfg.content_rank))
-    return _Step.apply(meta, g_pos.to(dtype), g_content.to(dtype), *(params[n] for n in param_names(cfg.n_layers)))
+    ps = [params[n] for n in param_names(cfg.n_layers)]
+    # what the backward reads is kept only where a gradient will be taken (not in evaluation)
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (g_pos, g_content, *ps))
+    meta = (tokens.long(), list(positions), float(cfg.qk_scale), int(cfg.content_rank), save)
+    return _Step.apply(meta, g_pos.to(dtype), g_content.to(dtype), *ps)
