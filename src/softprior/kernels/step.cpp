@@ -264,21 +264,23 @@ void vocab_forward(const Dims& D, const scalar_t* tab, const int64_t* tok, const
       const int64_t h = n / D.B, b = n % D.B, DP = heads[h].DP, VP = heads[h].VP;
       const int64_t* tk = tok + b * T;
       const scalar_t* sv = heads[h].sv.get();
+      // the softmax is formed in P itself where its rows come in whole groups (P is kept for the backward)
+      scalar_t* Sn = T % R == 0 ? P + n * T * TP : S.get();
       for (int64_t j = 0; j < T; ++j) copy_n(heads[h].vv.get() + tk[j] * DP, DP, vb.get() + j * DP);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t glim = mask.group_lim(h, T, g), tiles = (glim + VL - 1) / VL;
         for (int64_t i = g * R; i < std::min(T, g * R + R); ++i) {
-          scalar_t* row = S.get() + i * TP;
+          scalar_t* row = Sn + i * TP;
           const scalar_t* si = sv + tk[i] * VP;
           for (int64_t j = 0; j < glim; ++j) row[j] = si[tk[j]];
           for (int64_t j = glim; j < tiles * VL; ++j) row[j] = 0;
           softmax_row(row, mask.bias.get() + (h * T + i) * TP, tiles, TP);
         }
-        rows_times(Rows<scalar_t>(S.get(), TP, g * R, QR).p, 1, 0, glim, vb.get(), DP, DP / VL, out.get() + g * R * DP, DP);
+        rows_times(Rows<scalar_t>(Sn, TP, g * R, QR).p, 1, 0, glim, vb.get(), DP, DP / VL, out.get() + g * R * DP, DP);
       }
       for (int64_t i = 0; i < T; ++i) {
         copy_n(out.get() + i * DP, dh, Z + (b * T + i) * D.d + h * dh);
-        copy_n(S.get() + i * TP, TP, P + (n * T + i) * TP);
+        if (Sn != P + n * T * TP) copy_n(Sn + i * TP, TP, P + (n * T + i) * TP);
       }
     }
   });
@@ -316,13 +318,12 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
             for (int64_t j = 0; j < glim; ++j) dpi[j] = pv[tk[j]];
             for (int64_t j = glim; j < tiles * VL; ++j) dpi[j] = 0;
             softmax_grad_row(Pn + i * TP, dpi, ds.get() + i * TP, tiles, TP);
+            using V = typename Lanes<scalar_t>::type;
             const scalar_t* dsi = ds.get() + i * TP;
-            scalar_t* acc = dbias.get() + i * TP;
-            scalar_t* pair = dsv.get() + tk[i] * VP;
-            for (int64_t j = 0; j < glim; ++j) {
-              acc[j] += dsi[j];
-              pair[tk[j]] += dsi[j];
-            }
+            V* acc = reinterpret_cast<V*>(dbias.get() + i * TP);
+            for (int64_t u = 0; u < tiles; ++u) acc[u] += reinterpret_cast<const V*>(dsi)[u];
+            scalar_t* pair = dsv.get() + tk[i] * VP;  // dS onto the (query token, key token) pairs, keys in order
+            for (int64_t j = 0, n = mask.lim[h * T + i]; j < n; ++j) pair[tk[j]] += dsi[j];
           }
         }
         // dv = P^T dz, R keys at a time, onto the key tokens' rows
@@ -730,7 +731,7 @@ std::vector<Tensor> step_backward(const std::vector<Tensor>& params_, const Tens
   for (const auto& p : params) grads.push_back(at::zeros_like(p));
   Tensor dgp = at::zeros_like(gp), dgc = at::zeros_like(gc);
   AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "softprior_step_backward", [&] {
-    for (int64_t k = 0; k < K; ++k) {
+    for (int64_t k = K - 1; k >= 0; --k) {  // the last run's forward first: its tensors are the likeliest in cache
       const Params W(params, k, D.L);
       const std::vector<Tensor> sv(saved.begin() + k * per, saved.begin() + (k + 1) * per);
       run_backward<scalar_t>(W, D, tokens[tokens.size(0) == 1 ? 0 : k], gp[k], gc[k], pos, static_cast<scalar_t>(qs),
