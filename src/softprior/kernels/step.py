@@ -67,9 +67,8 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, g_pos, g_content, *params):
         tokens, pos, qs, rank, save = meta
-        # on detached tensors: the dispatcher's autograd fallback would otherwise give each output a node
-        out = torch.ops.softprior.step_forward([p.detach() for p in params], g_pos.detach(), g_content.detach(),
-                                               tokens, pos, qs, rank, save)
+        # (grad mode is off in here, so the dispatcher's autograd fallback gives the outputs no nodes)
+        out = torch.ops.softprior.step_forward(list(params), g_pos, g_content, tokens, pos, qs, rank, save)
         ctx.meta, ctx.saved, ctx.inputs = meta, out[1:], (g_pos, g_content, *params)
         return out[0]
 
@@ -79,9 +78,8 @@ class _Step(torch.autograd.Function):
         if not ctx.saved:
             raise RuntimeError("softprior step: backward through a step whose forward kept nothing for it")
         g_pos, g_content, *params = ctx.inputs
-        with torch.no_grad():
-            grads = torch.ops.softprior.step_backward([p.detach() for p in params], g_pos.detach(), g_content.detach(),
-                                                      tokens, pos, qs, rank, ctx.saved, dlogits)
+        with torch.no_grad():  # as in the forward: no autograd around the operator's own calls
+            grads = torch.ops.softprior.step_backward(params, g_pos, g_content, tokens, pos, qs, rank, ctx.saved, dlogits)
         return (None, grads[-2], grads[-1], *grads[:-2])
 
 
