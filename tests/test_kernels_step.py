@@ -161,3 +161,15 @@ def test_a_retained_graph_gives_the_same_gradients_twice():
     first = torch.autograd.grad(out.square().sum(), list(params.values())[1:], retain_graph=True)
     second = torch.autograd.grad(out.square().sum(), list(params.values())[1:])
     assert all(torch.equal(a, b) for a, b in zip(first, second)) and first[0].abs().sum() > 0
+
+
+@needs_build
+def test_a_double_backward_is_refused_rather_than_wrong():
+    cfg = ModelConfig(content_rank=8)
+    stacked, _ = stack_module_state(_models(cfg, 1, torch.float64))
+    params = {n: t.detach().requires_grad_() for n, t in stacked.items()}
+    g = torch.full((1, 2, 4), 0.5, dtype=torch.float64)
+    out = kstep.step_logits(params, cfg, torch.zeros(2, 32, dtype=torch.long), g, g, (31,))
+    (grad,) = torch.autograd.grad(out.square().sum(), [params["embed.weight"]], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()

@@ -25,9 +25,7 @@ struct Shape {
 template <typename scalar_t>
 void forward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t* q, const scalar_t* k,
                     const scalar_t* v, scalar_t* z, scalar_t* p, int64_t begin, int64_t end) {
-  using V = typename Lanes<scalar_t>::type;
   const int64_t TP = padded(s.T), DP = padded(s.dh), QR = rounded(s.Tq, R), G = QR / R;
-  const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
   Buffer<scalar_t> kT(s.e * TP), vb(TP * DP), sc(QR * TP), zb(QR * DP);
   // rows of whole tiles, whole groups of rows, aligned: the softmax is formed in P itself, not copied there
   const bool direct = s.T % VL == 0 && s.Tq % R == 0 && reinterpret_cast<uintptr_t>(p) % 64 == 0;
@@ -56,7 +54,6 @@ template <typename scalar_t>
 void backward_blocks(const Shape& s, const Mask<scalar_t>& mask, const scalar_t* dz, const scalar_t* q,
                      const scalar_t* k, const scalar_t* v, const scalar_t* p, scalar_t* dq, scalar_t* dk,
                      scalar_t* dv, scalar_t* ds_all, int64_t begin, int64_t end) {
-  using V = typename Lanes<scalar_t>::type;
   const int64_t TP = padded(s.T), DP = padded(s.dh), EP = padded(s.e), QR = rounded(s.Tq, R), G = QR / R,
                 KR = rounded(s.T, R), GK = KR / R;
   Buffer<scalar_t> vT(s.dh * TP), kb(TP * EP), qb(QR * EP), dzb(QR * DP), pb(QR * TP), dpb(QR * TP), ds(QR * TP),

@@ -20,6 +20,7 @@ import os
 from functools import lru_cache
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..model import ModelConfig
 
@@ -73,6 +74,7 @@ class _Step(torch.autograd.Function):
         return out[0]
 
     @staticmethod
+    @once_differentiable  # its backward is not itself differentiable: a double backward raises, never wrong
     def backward(ctx, dlogits):
         tokens, pos, qs, rank, _ = ctx.meta
         if not ctx.saved:
@@ -87,6 +89,9 @@ def step_logits(params: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch
                 g_content: torch.Tensor, positions: tuple[int, ...]) -> torch.Tensor:
     """[K, B, P, vocab] logits of K runs (``fastpath.fast_forward``'s contract): params run-stacked
     [K, ...]; tokens [K, B, T] or [B, T] (shared); g_pos, g_content [K, L, H]; positions the loss positions."""
+    from .attention import available, build_error
+    if not available():  # builds the library at the first call (fastpath asks ``enabled()`` first)
+        raise RuntimeError(f"softprior step: the kernels' library is unavailable ({build_error() or 'switched off'})")
     _state["used"] = True
     if tokens.dim() == 2:
         tokens = tokens.unsqueeze(0)
