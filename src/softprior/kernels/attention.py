@@ -74,7 +74,8 @@ def _ensure_ninja() -> None:
 
 
 def _build() -> None:
-    """Compile (or load the cached build of) ``attention.cpp`` and register the operator's autograd."""
+    """Compile (or load the cached build of) ``attention.cpp`` and ``step.cpp`` into one library and
+    register the attention operator's autograd."""
     from torch.utils import cpp_extension
     _ensure_ninja()
     cpp_extension.load(name=f"softprior_kernels_{_cpu_tag()}_{_source_tag()}", sources=[str(p) for p in _SOURCES],

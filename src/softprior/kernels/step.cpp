@@ -56,6 +56,24 @@ std::vector<scalar_t> full_bias(const scalar_t* bpos, const scalar_t* gp, const 
   return out;
 }
 
+// that bias's backward for head h: from its gradient dbias (query q's row at dbias + q * stride, at position
+// qpos[q], or at q itself where qpos is null), d g_pos,h += sum_(q, j) dbias B^pos[h, offset] and
+// d B^pos[h, offset] += g_pos,h dbias, over the keys each query sees, in order
+template <typename scalar_t>
+void bias_backward(const Dims& D, int64_t h, const scalar_t* dbias, int64_t stride, int64_t nq, const int64_t* qpos,
+                   const scalar_t* bpos, scalar_t gp, scalar_t* dbpos, scalar_t& dgp) {
+  scalar_t g = 0;
+  for (int64_t q = 0; q < nq; ++q) {
+    const int64_t i = qpos ? qpos[q] : q;
+    for (int64_t j = 0; j <= i; ++j) {
+      const int64_t o = h * D.nctx + std::min(i - j, D.nctx - 1);
+      g += dbias[q * stride + j] * bpos[o];
+      dbpos[o] += gp * dbias[q * stride + j];
+    }
+  }
+  dgp += g;
+}
+
 // Scratch of one thread for the blocks of a full layer
 template <typename scalar_t>
 struct Scratch {
@@ -200,14 +218,7 @@ void full_backward(const Dims& D, const Rows0<scalar_t>& src, const Rows0<scalar
       for (int64_t b = 0; b < D.B; ++b)
         block_backward(D, mask, src, dsrc, b, h, qs, gc[h], w, P + (h * D.B + b) * D.T * TP, dZ, dbias.get(), g);
       dgc[h] += g;
-      scalar_t gg = 0;
-      for (int64_t i = 0; i < D.T; ++i)
-        for (int64_t j = 0; j <= i; ++j) {
-          const int64_t o = h * D.nctx + std::min(i - j, D.nctx - 1);
-          gg += dbias[i * TP + j] * bpos[o];
-          dbpos[o] += gp[h] * dbias[i * TP + j];
-        }
-      dgp[h] += gg;
+      bias_backward(D, h, dbias.get(), TP, D.T, static_cast<const int64_t*>(nullptr), bpos, gp[h], dbpos, dgp[h]);
     }
   });
 }
@@ -360,14 +371,7 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
         }
       }
       dgc[h] += g;
-      scalar_t gg = 0;
-      for (int64_t i = 0; i < T; ++i)
-        for (int64_t j = 0; j <= i; ++j) {
-          const int64_t o = h * D.nctx + std::min(i - j, D.nctx - 1);
-          gg += dbias[i * TP + j] * bpos[o];
-          dbpos[o] += gp[h] * dbias[i * TP + j];
-        }
-      dgp[h] += gg;
+      bias_backward(D, h, dbias.get(), TP, T, static_cast<const int64_t*>(nullptr), bpos, gp[h], dbpos, dgp[h]);
     }
   });
 }
@@ -637,13 +641,7 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
     std::vector<scalar_t> db(H * P * T, scalar_t(0));
     for (int64_t b = 0; b < B; ++b)
       for (int64_t n = 0; n < H * P * T; ++n) db[n] += ds[b * H * P * T + n];
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t p = 0; p < P; ++p)
-        for (int64_t j = 0; j <= pos[p]; ++j) {
-          const int64_t o = h * D.nctx + std::min(pos[p] - j, D.nctx - 1);
-          dg[h] += db[(h * P + p) * T + j] * bp[o];
-          dbp[o] += g[h] * db[(h * P + p) * T + j];
-        }
+    for (int64_t h = 0; h < H; ++h) bias_backward(D, h, db.data() + h * P * T, T, P, pos.data(), bp, g[h], dbp, dg[h]);
   }
   Tensor gcl = gc[l].view({H, 1, 1});
   dgc[l].add_((dQT * UW).sum({1, 2}));
