@@ -1,7 +1,8 @@
 """The whole-step operator (kernels/step.py, step.cpp) against the readable model (``model.py``):
 logits and every gradient in float64 (layer 0 on vocabulary pairs and on rows, middle layers, several
 loss positions, several runs, learned and forced gates, no content factors), gradcheck on a tiny
-model, a run's bits alone and in a group, where it applies, and the switch that leaves it out."""
+model, a run's bits alone and in a group and at one thread and two, where it applies, and the switch
+that leaves it out."""
 
 from __future__ import annotations
 
@@ -122,6 +123,26 @@ def test_a_run_computes_the_same_bits_alone_and_in_a_group_of_three(threads):
                 assert torch.equal(grad[0], group[1][name][k]), name
     finally:
         torch.set_num_threads(before)
+
+
+@needs_build
+def test_one_run_gives_the_same_bits_at_one_thread_and_at_two():
+    """Its blocks, LayerNorm rows and reductions each run in one thread in a fixed order, so splitting
+    them across threads leaves the bits (ATen's LayerNorm backward split its weight gradients' sums)."""
+    cfg = ModelConfig(content_rank=8)
+    models = _models(cfg, 1, torch.float32)
+    tokens = torch.randint(0, cfg.vocab, (1, 64, 32), generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got[threads] = _run(_step(cfg, tokens, (31,)), models, cfg, tokens, (31,))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[1][0], got[2][0])
+    for name, grad in got[1][1].items():
+        assert torch.equal(grad, got[2][1][name]), name
 
 
 def test_where_it_applies():

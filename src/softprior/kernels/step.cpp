@@ -15,16 +15,120 @@
 // - the final LayerNorm and the tied unembedding at the loss positions.
 // Backward: the softmax Jacobian row-wise (dS = P * (dP - sum_j dP P)); the position bias's gradient
 // summed over the batch per head and gathered onto B^pos's offsets and g_pos; the content gate's
-// gradient from the U columns; LayerNorm's through ATen's own native_layer_norm_backward.
+// gradient from the U columns; the LayerNorms forward and backward here (layer_norm, ln_backward:
+// ATen's kernels took 50-100 us a call on [B T, 64] rows, and split their weight gradients' sums
+// by thread).
 //
 // Determinism: each run is computed alone (its own ATen calls, its own blocks), so its numbers do not
-// depend on the runs beside it; every block and every head's reduction over the batch runs in one
-// thread in a fixed order (b = 0..B-1), whatever the thread count.
+// depend on the runs beside it; every block, every LayerNorm row and every reduction over the batch
+// (a head's position bias, the LayerNorms' weights) runs in one thread in a fixed order, whatever
+// the thread count. With K >= 2 runs and several threads the runs go in parallel, one thread each
+// (for_runs); one run alone splits its blocks and rows across the threads. The BLAS products are the
+// one part whose split the library decides: the shapes tested give the same bits at 1 and 2 threads
+// (tests/test_kernels_step.py).
 #include "blocks.h"
+
+#include <ATen/ThreadLocalState.h>
 
 namespace {
 
 using at::Tensor;
+
+// sum_c a[c] b[c] over n elements: VL lanes accumulated in order, reduced in a fixed order, then the tail
+template <typename scalar_t>
+inline scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
+  using V = typename Lanes<scalar_t>::type;
+  using U = typename Unaligned<scalar_t>::type;
+  V acc = V{};
+  int64_t c = 0;
+  for (; c + VL <= n; c += VL) acc += *reinterpret_cast<const U*>(a + c) * *reinterpret_cast<const U*>(b + c);
+  scalar_t s = lane_sum(acc);
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// sum_c a[c] over n elements, in dot's order
+template <typename scalar_t>
+inline scalar_t sum(const scalar_t* a, int64_t n) {
+  using V = typename Lanes<scalar_t>::type;
+  using U = typename Unaligned<scalar_t>::type;
+  V acc = V{};
+  int64_t c = 0;
+  for (; c + VL <= n; c += VL) acc += *reinterpret_cast<const U*>(a + c);
+  scalar_t s = lane_sum(acc);
+  for (; c < n; ++c) s += a[c];
+  return s;
+}
+
+// out[c] += w x[c] for c < n
+template <typename scalar_t>
+inline void axpy(scalar_t w, const scalar_t* x, scalar_t* out, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) out[c] += w * x[c];
+}
+
+// LayerNorm over a row's d features (Ba, Kiros & Hinton 2016; torch.nn.LayerNorm, eps 1e-5):
+// y = (x - mean) rstd w + b with rstd = 1 / sqrt(var + eps), var the biased variance, both sums
+// taken in a fixed order (VL lanes, then the tail) with mean subtracted before squaring. Rows of [n, d]
+// (contiguous) in parallel, each in one thread; mean and rstd [n] kept for the backward.
+template <typename scalar_t>
+std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, const Tensor& w, const Tensor& b) {
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  Tensor y = at::empty_like(x), mean = at::empty({n}, x.options()), rstd = at::empty({n}, x.options());
+  const scalar_t *X = x.const_data_ptr<scalar_t>(), *Wt = w.const_data_ptr<scalar_t>(), *Bs = b.const_data_ptr<scalar_t>();
+  scalar_t *Y = y.mutable_data_ptr<scalar_t>(), *M = mean.mutable_data_ptr<scalar_t>(), *S = rstd.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
+    std::vector<scalar_t> c(d);
+    for (int64_t r = r0; r < r1; ++r) {
+      const scalar_t* xr = X + r * d;
+      const scalar_t m = sum(xr, d) / scalar_t(d);
+      for (int64_t i = 0; i < d; ++i) c[i] = xr[i] - m;
+      const scalar_t s = scalar_t(1) / std::sqrt(dot(c.data(), c.data(), d) / scalar_t(d) + scalar_t(1e-5));
+      scalar_t* yr = Y + r * d;
+      for (int64_t i = 0; i < d; ++i) yr[i] = c[i] * s * Wt[i] + Bs[i];
+      M[r] = m;
+      S[r] = s;
+    }
+  });
+  return {y, mean, rstd};
+}
+
+// its backward: with xhat = (x - mean) rstd and g = dy w, dx = rstd (g - mean_c(g) - xhat mean_c(g xhat))
+// (rows in parallel, returned), dw = sum_rows dy xhat into dw and db = sum_rows dy into db (the rows
+// added in order, in one thread: the same bits at any thread count)
+template <typename scalar_t>
+Tensor ln_backward(const Tensor& dy_, const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& w,
+                   scalar_t* dw, scalar_t* db) {
+  const Tensor dy = dy_.contiguous();
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  Tensor dx = at::empty_like(x);
+  const scalar_t *X = x.const_data_ptr<scalar_t>(), *DY = dy.const_data_ptr<scalar_t>(), *Wt = w.const_data_ptr<scalar_t>();
+  const scalar_t *M = mean.const_data_ptr<scalar_t>(), *S = rstd.const_data_ptr<scalar_t>();
+  scalar_t* DX = dx.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
+    std::vector<scalar_t> xh(d), g(d);
+    for (int64_t r = r0; r < r1; ++r) {
+      const scalar_t *xr = X + r * d, *dyr = DY + r * d;
+      for (int64_t i = 0; i < d; ++i) {
+        xh[i] = (xr[i] - M[r]) * S[r];
+        g[i] = dyr[i] * Wt[i];
+      }
+      const scalar_t a = sum(g.data(), d) / scalar_t(d), c = dot(g.data(), xh.data(), d) / scalar_t(d);
+      scalar_t* dxr = DX + r * d;
+      for (int64_t i = 0; i < d; ++i) dxr[i] = S[r] * (g[i] - a - xh[i] * c);
+    }
+  });
+  std::fill(dw, dw + d, scalar_t(0));
+  std::fill(db, db + d, scalar_t(0));
+  for (int64_t r = 0; r < n; ++r) {
+    const scalar_t *xr = X + r * d, *dyr = DY + r * d;
+    for (int64_t i = 0; i < d; ++i) {
+      dw[i] += dyr[i] * ((xr[i] - M[r]) * S[r]);
+      db[i] += dyr[i];
+    }
+  }
+  return dx;
+}
+
 
 struct Dims {
   int64_t B, T, d, H, dh, r, e, W, V, P, nctx, L;
@@ -271,10 +375,12 @@ void vocab_forward(const Dims& D, const scalar_t* tab, const int64_t* tok, const
   const int64_t T = D.T, TP = padded(T), QR = rounded(T, R), G = QR / R, dh = D.dh;
   at::parallel_for(0, D.H * D.B, 1, [&](int64_t begin, int64_t end) {
     Buffer<scalar_t> S(QR * TP), vb(TP * padded(dh)), out(QR * padded(dh));
+    Buffer<int32_t> idx(TP);  // the block's key tokens, padded with token 0 (masked: the bias is -inf there)
     for (int64_t n = begin; n < end; ++n) {
       const int64_t h = n / D.B, b = n % D.B, DP = heads[h].DP, VP = heads[h].VP;
       const int64_t* tk = tok + b * T;
       const scalar_t* sv = heads[h].sv.get();
+      for (int64_t j = 0; j < T; ++j) idx[j] = static_cast<int32_t>(tk[j]);
       // the softmax is formed in P itself where its rows come in whole groups (P is kept for the backward)
       scalar_t* Sn = T % R == 0 ? P + n * T * TP : S.get();
       for (int64_t j = 0; j < T; ++j) copy_n(heads[h].vv.get() + tk[j] * DP, DP, vb.get() + j * DP);
@@ -282,9 +388,7 @@ void vocab_forward(const Dims& D, const scalar_t* tab, const int64_t* tok, const
         const int64_t glim = mask.group_lim(h, T, g), tiles = (glim + VL - 1) / VL;
         for (int64_t i = g * R; i < std::min(T, g * R + R); ++i) {
           scalar_t* row = Sn + i * TP;
-          const scalar_t* si = sv + tk[i] * VP;
-          for (int64_t j = 0; j < glim; ++j) row[j] = si[tk[j]];
-          for (int64_t j = glim; j < tiles * VL; ++j) row[j] = 0;
+          gather_tiles(sv + tk[i] * VP, VP, idx.get(), tiles, row);  // past glim: masked, whatever it holds
           softmax_row(row, mask.bias.get() + (h * T + i) * TP, tiles, TP);
         }
         rows_times(Rows<scalar_t>(Sn, TP, g * R, QR).p, 1, 0, glim, vb.get(), DP, DP / VL, out.get() + g * R * DP, DP);
@@ -310,6 +414,9 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
     const int64_t VP = t.VP, DP = t.DP, EP = t.EP;
     Buffer<scalar_t> dbias(T * TP), dsv(t.VR * VP), dvv(D.V * DP), dz(QR * DP), dpv(QR * VP), dp(QR * TP), ds(QR * TP),
         out(QR * DP), dq(t.VR * EP), dk(t.VR * EP);
+    Buffer<int32_t> idx(TP);
+    Buffer<scalar_t> onehot(TP * VP);  // onehot[j][c] = 1 where key j is token c
+    using V = typename Lanes<scalar_t>::type;
     for (int64_t h = h0; h < h1; ++h) {
       vocab_tables(D, tab, h, qs, gc[h], t);
       std::fill(dbias.get(), dbias.get() + T * TP, scalar_t(0));
@@ -318,6 +425,11 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
       for (int64_t b = 0; b < D.B; ++b) {
         const int64_t* tk = tok + b * T;
         const scalar_t* Pn = P + (h * D.B + b) * T * TP;
+        for (int64_t j = 0; j < T; ++j) {
+          idx[j] = static_cast<int32_t>(tk[j]);
+          std::fill(onehot.get() + j * VP, onehot.get() + (j + 1) * VP, scalar_t(0));
+          onehot[j * VP + tk[j]] = 1;
+        }
         for (int64_t i = 0; i < T; ++i) copy_n(dZ + (b * T + i) * d + h * dh, dh, dz.get() + i * DP);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t glim = mask.group_lim(h, T, g), tiles = (glim + VL - 1) / VL;
@@ -325,16 +437,20 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
           rows_times(Rows<scalar_t>(dz.get(), DP, g * R, T).p, 1, 0, dh, t.vT.get(), VP, VP / VL, dpv.get() + g * R * VP, VP);
           for (int64_t i = g * R; i < std::min(T, g * R + R); ++i) {
             scalar_t* dpi = dp.get() + i * TP;
-            const scalar_t* pv = dpv.get() + i * VP;
-            for (int64_t j = 0; j < glim; ++j) dpi[j] = pv[tk[j]];
-            for (int64_t j = glim; j < tiles * VL; ++j) dpi[j] = 0;
+            gather_tiles(dpv.get() + i * VP, VP, idx.get(), tiles, dpi);  // past glim: times P = 0
             softmax_grad_row(Pn + i * TP, dpi, ds.get() + i * TP, tiles, TP);
-            using V = typename Lanes<scalar_t>::type;
             const scalar_t* dsi = ds.get() + i * TP;
             V* acc = reinterpret_cast<V*>(dbias.get() + i * TP);
             for (int64_t u = 0; u < tiles; ++u) acc[u] += reinterpret_cast<const V*>(dsi)[u];
-            scalar_t* pair = dsv.get() + tk[i] * VP;  // dS onto the (query token, key token) pairs, keys in order
-            for (int64_t j = 0, n = mask.lim[h * T + i]; j < n; ++j) pair[tk[j]] += dsi[j];
+          }
+          // dS onto the (query token, key token) pairs: each row's sum by key token (dS times the block's
+          // one-hot keys, in the rows of dpv, which are used up), added onto its query token's row of dS^v
+          rows_times(Rows<scalar_t>(ds.get(), TP, g * R, QR).p, 1, 0, glim, onehot.get(), VP, VP / VL,
+                     dpv.get() + g * R * VP, VP);
+          for (int64_t i = g * R; i < std::min(T, g * R + R); ++i) {
+            V* pair = reinterpret_cast<V*>(dsv.get() + tk[i] * VP);
+            const V* y = reinterpret_cast<const V*>(dpv.get() + i * VP);
+            for (int64_t u = 0; u < VP / VL; ++u) pair[u] += y[u];
           }
         }
         // dv = P^T dz, R keys at a time, onto the key tokens' rows
@@ -393,25 +509,6 @@ std::vector<int64_t> query_rows(const std::vector<int64_t>& pos, int64_t B, int6
   for (int64_t b = 0; b < B; ++b)
     for (int64_t p : pos) rows.push_back(b * T + p);
   return rows;
-}
-
-// sum_c a[c] b[c] over n elements: VL lanes accumulated in order, reduced in a fixed order, then the tail
-template <typename scalar_t>
-inline scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
-  using V = typename Lanes<scalar_t>::type;
-  using U = typename Unaligned<scalar_t>::type;
-  V acc = V{};
-  int64_t c = 0;
-  for (; c + VL <= n; c += VL) acc += *reinterpret_cast<const U*>(a + c) * *reinterpret_cast<const U*>(b + c);
-  scalar_t s = lane_sum(acc);
-  for (; c < n; ++c) s += a[c] * b[c];
-  return s;
-}
-
-// out[c] += w x[c] for c < n
-template <typename scalar_t>
-inline void axpy(scalar_t w, const scalar_t* x, scalar_t* out, int64_t n) {
-  for (int64_t c = 0; c < n; ++c) out[c] += w * x[c];
 }
 
 // The last layer's attention at the loss positions (fastpath point 4), one example at a time: with
@@ -477,6 +574,25 @@ void last_backward(const Dims& D, const std::vector<int64_t>& pos, const scalar_
   });
 }
 
+// f(k) for the runs k < K: with K >= 2 runs and more than one thread, the runs in parallel, each run
+// in one thread (its ATen calls, BLAS included, single-threaded inside the parallel region, with the
+// caller's thread-local state: no autograd); else one after the other, each with every thread (its
+// blocks and LayerNorms split across them, each block and each reduction in one thread, in order, so
+// the same bits). `last_first`: each thread takes its runs last first (the backward: the last run's
+// forward is the likeliest in cache)
+template <typename F>
+void for_runs(int64_t K, const F& f, bool last_first = false) {
+  const auto order = [&](int64_t k0, int64_t k1) {
+    for (int64_t i = k0; i < k1; ++i) f(last_first ? k1 - 1 - (i - k0) : i);
+  };
+  if (K < 2 || at::get_num_threads() < 2 || at::in_parallel_region()) return order(0, K);
+  const at::ThreadLocalState state;
+  at::parallel_for(0, K, 1, [&](int64_t k0, int64_t k1) {
+    at::ThreadLocalStateGuard guard(state);
+    order(k0, k1);
+  });
+}
+
 // parameters of one run, in the order step.py passes them: E, per layer (ln_w, ln_b, W_in, W_out,
 // B^pos), ln_final (w, b)
 struct Params {
@@ -520,7 +636,8 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   std::vector<Tensor> saved;
   const int64_t* tk = tok.const_data_ptr<int64_t>();
   // layer 0 on the vocabulary (fastpath point 3)
-  auto [A0, mean0, rstd0] = at::native_layer_norm(W.E, {d}, W.lnw[0], W.lnb[0], 1e-5);
+  Tensor A0, mean0, rstd0;
+  std::tie(A0, mean0, rstd0) = layer_norm<scalar_t>(W.E, W.lnw[0], W.lnb[0]);
   Tensor tab = at::mm(A0, W.win[0].t());  // [V, W]
   Tensor x = W.E.index_select(0, tok.reshape(-1));  // [B*T, d]
   Tensor Pl = at::empty({H, B, T, TP}, x.options()), Z = at::empty({B * T, d}, x.options());
@@ -535,7 +652,8 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   saved.insert(saved.end(), {tab, A0, mean0, rstd0, Pl, Z});
   x = at::addmm(x, Z, W.wout[0].t());
   for (int64_t l = 1; l < L - 1; ++l) {  // middle layers: every position
-    auto [A, mean, rstd] = at::native_layer_norm(x, {d}, W.lnw[l], W.lnb[l], 1e-5);
+    Tensor A, mean, rstd;
+    std::tie(A, mean, rstd) = layer_norm<scalar_t>(x, W.lnw[l], W.lnb[l]);
     Tensor proj = at::mm(A, W.win[l].t());  // [B*T, W]
     Tensor Pm = at::empty({H, B, T, TP}, x.options()), Zm = at::empty({B * T, d}, x.options());
     full_forward<scalar_t>(D, Rows0<scalar_t>{proj.mutable_data_ptr<scalar_t>(), nullptr, T, D.W},
@@ -549,7 +667,8 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   const int64_t l = L - 1;
   const Tensor& Wl = W.win[l];
   Tensor posT = at::tensor(pos, tok.options());
-  auto [A, mean, rstd] = at::native_layer_norm(x, {d}, W.lnw[l], W.lnb[l], 1e-5);
+  Tensor A, mean, rstd;
+  std::tie(A, mean, rstd) = layer_norm<scalar_t>(x, W.lnw[l], W.lnb[l]);
   Tensor A3 = A.view({B, T, d});
   Tensor Aq = A3.index_select(1, posT).reshape({B * P, d});
   Tensor Q = at::mm(Aq, Wl.narrow(0, 0, d).t()).view({B * P, H, dh}).transpose(0, 1);       // [H, B*P, dh]
@@ -566,7 +685,8 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   Tensor z = O.transpose(0, 1).reshape({B * P, d});
   Tensor xq = x.view({B, T, d}).index_select(1, posT).reshape({B * P, d});
   Tensor xL = at::addmm(xq, z, W.wout[l].t());
-  auto [Y, meanf, rstdf] = at::native_layer_norm(xL, {d}, W.lnfw, W.lnfb, 1e-5);
+  Tensor Y, meanf, rstdf;
+  std::tie(Y, meanf, rstdf) = layer_norm<scalar_t>(xL, W.lnfw, W.lnfb);
   logits.copy_(at::mm(Y, W.E.t()).view({B, P, D.V}));
   saved.insert(saved.end(), {x, A, mean, rstd, Q, U, QW, UW, QT, Pr, abar, z, xL, meanf, rstdf, Y});
   return saved;
@@ -584,22 +704,18 @@ std::vector<Tensor> step_forward(const std::vector<Tensor>& params_, const Tenso
   TORCH_CHECK(tokens.size(0) == 1 || tokens.size(0) == K, "softprior step: tokens [K or 1, B, T]");
   for (int64_t p : pos) TORCH_CHECK(p >= 0 && p < D.T, "softprior step: a loss position outside the context");
   Tensor logits = at::empty({K, D.B, D.P, D.V}, params[0].options());
-  std::vector<Tensor> out{logits};
+  std::vector<std::vector<Tensor>> saved(K);
   AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "softprior_step_forward", [&] {
-    for (int64_t k = 0; k < K; ++k) {
+    for_runs(K, [&](int64_t k) {
       const Params W(params, k, D.L);
-      auto saved = run_forward<scalar_t>(W, D, tokens[tokens.size(0) == 1 ? 0 : k], gp[k], gc[k], pos,
-                                         static_cast<scalar_t>(qs), logits[k]);
-      if (save) out.insert(out.end(), saved.begin(), saved.end());
-    }
+      saved[k] = run_forward<scalar_t>(W, D, tokens[tokens.size(0) == 1 ? 0 : k], gp[k], gc[k], pos,
+                                       static_cast<scalar_t>(qs), logits[k]);
+      if (!save) saved[k].clear();
+    });
   });
+  std::vector<Tensor> out{logits};
+  for (const auto& sv : saved) out.insert(out.end(), sv.begin(), sv.end());
   return out;
-}
-
-// LayerNorm's backward: (dx, dw, db)
-std::tuple<Tensor, Tensor, Tensor> ln_backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
-                                               const Tensor& w, const Tensor& b) {
-  return at::native_layer_norm_backward(dy.contiguous(), x, {x.size(-1)}, mean, rstd, w, b, {true, true, true});
 }
 
 template <typename scalar_t>
@@ -612,11 +728,10 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
                &QW = sv[M + 6], &UW = sv[M + 7], &QT = sv[M + 8], &Pr = sv[M + 9], &abar = sv[M + 10],
                &z = sv[M + 11], &xL = sv[M + 12], &meanf = sv[M + 13], &rstdf = sv[M + 14], &Y = sv[M + 15];
   Tensor Gf = G.reshape({B * P, V});
+  const auto slot = [&](int64_t i) { return grads[i][k].mutable_data_ptr<scalar_t>(); };  // run k's gradient i
   // the tied unembedding and the final LayerNorm
   Tensor dE = at::mm(Gf.t(), Y);
-  auto [dxL, dlnfw, dlnfb] = ln_backward(at::mm(Gf, W.E), xL, meanf, rstdf, W.lnfw, W.lnfb);
-  grads[1 + 5 * L][k].copy_(dlnfw);
-  grads[2 + 5 * L][k].copy_(dlnfb);
+  Tensor dxL = ln_backward<scalar_t>(at::mm(Gf, W.E), xL, meanf, rstdf, W.lnfw, slot(1 + 5 * L), slot(2 + 5 * L));
   // the last layer
   const int64_t l = L - 1;
   const Tensor& Wl = W.win[l];
@@ -659,10 +774,7 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
   Tensor dAf = dA3.view({B * T, d});
   add_rows<scalar_t>(dAf, qrows.data(), dAq.contiguous(), B * P);
   grads[3 + 5 * l][k].copy_(dWin);
-  auto [dxn, dlw, dlb] = ln_backward(dA3.view({B * T, d}), x, mean, rstd, W.lnw[l], W.lnb[l]);
-  grads[1 + 5 * l][k].copy_(dlw);
-  grads[2 + 5 * l][k].copy_(dlb);
-  Tensor dx = dxn.contiguous();
+  Tensor dx = ln_backward<scalar_t>(dA3.view({B * T, d}), x, mean, rstd, W.lnw[l], slot(1 + 5 * l), slot(2 + 5 * l));
   add_rows<scalar_t>(dx, qrows.data(), dxL.contiguous(), B * P);  // the residual at the loss positions
   // middle layers, last first
   for (int64_t m = L - 2; m >= 1; --m) {
@@ -679,9 +791,8 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
                             dZ.const_data_ptr<scalar_t>(), grads[5 + 5 * m][k].mutable_data_ptr<scalar_t>(),
                             dgp[m].mutable_data_ptr<scalar_t>(), dgc[m].mutable_data_ptr<scalar_t>());
     grads[3 + 5 * m][k].copy_(at::mm(dproj.t(), Am));
-    auto [dxm, dlwm, dlbm] = ln_backward(at::mm(dproj, W.win[m]), xm, meanm, rstdm, W.lnw[m], W.lnb[m]);
-    grads[1 + 5 * m][k].copy_(dlwm);
-    grads[2 + 5 * m][k].copy_(dlbm);
+    Tensor dxm = ln_backward<scalar_t>(at::mm(dproj, W.win[m]), xm, meanm, rstdm, W.lnw[m], slot(1 + 5 * m),
+                                       slot(2 + 5 * m));
     dx = dx + dxm;
   }
   // layer 0 on the vocabulary
@@ -704,9 +815,7 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
                           dZ0.const_data_ptr<scalar_t>(), grads[5][k].mutable_data_ptr<scalar_t>(),
                           dgp[0].mutable_data_ptr<scalar_t>(), dgc[0].mutable_data_ptr<scalar_t>());
   grads[3][k].copy_(at::mm(dtab.t(), A0));
-  auto [dEn, dlw0, dlb0] = ln_backward(at::mm(dtab, W.win[0]), W.E, mean0, rstd0, W.lnw[0], W.lnb[0]);
-  grads[1][k].copy_(dlw0);
-  grads[2][k].copy_(dlb0);
+  Tensor dEn = ln_backward<scalar_t>(at::mm(dtab, W.win[0]), W.E, mean0, rstd0, W.lnw[0], slot(1), slot(2));
   dE.add_(dEn);
   add_rows<scalar_t>(dE, tk, dx.contiguous(), B * T);  // x_0 = E[tok]
   grads[0][k].copy_(dE);
@@ -729,12 +838,12 @@ std::vector<Tensor> step_backward(const std::vector<Tensor>& params_, const Tens
   for (const auto& p : params) grads.push_back(at::zeros_like(p));
   Tensor dgp = at::zeros_like(gp), dgc = at::zeros_like(gc);
   AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "softprior_step_backward", [&] {
-    for (int64_t k = K - 1; k >= 0; --k) {  // the last run's forward first: its tensors are the likeliest in cache
+    for_runs(K, [&](int64_t k) {
       const Params W(params, k, D.L);
       const std::vector<Tensor> sv(saved.begin() + k * per, saved.begin() + (k + 1) * per);
       run_backward<scalar_t>(W, D, tokens[tokens.size(0) == 1 ? 0 : k], gp[k], gc[k], pos, static_cast<scalar_t>(qs),
                              sv, dlogits[k], grads, k, dgp[k], dgc[k]);
-    }
+    }, true);
   });
   grads.push_back(dgp);
   grads.push_back(dgc);
