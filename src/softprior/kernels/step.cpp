@@ -15,16 +15,15 @@
 // - the final LayerNorm and the tied unembedding at the loss positions.
 // Backward: the softmax Jacobian row-wise (dS = P * (dP - sum_j dP P)); the position bias's gradient
 // summed over the batch per head and gathered onto B^pos's offsets and g_pos; the content gate's
-// gradient from the U columns; the LayerNorms forward and backward here (layer_norm, ln_backward:
-// ATen's kernels took 50-100 us a call on [B T, 64] rows, and split their weight gradients' sums
-// by thread).
+// gradient from the U columns; LayerNorm by ATen's native_layer_norm and its backward, but for the
+// weight's and bias's gradients, summed over the rows here (ln_backward).
 //
 // Determinism: each run is computed alone (its own ATen calls, its own blocks), so its numbers do not
-// depend on the runs beside it; every block, every LayerNorm row and every reduction over the batch
-// (a head's position bias, the LayerNorms' weights) runs in one thread in a fixed order, whatever
-// the thread count. With K >= 2 runs and several threads the runs go in parallel, one thread each
-// (for_runs); one run alone splits its blocks and rows across the threads. The BLAS products are the
-// one part whose split the library decides: the shapes tested give the same bits at 1 and 2 threads
+// depend on the runs beside it; every block and every reduction over the batch (a head's position
+// bias, the LayerNorms' weights) runs in one thread in a fixed order, whatever the thread count.
+// With K >= 2 runs and several threads the runs go in parallel, one thread each (for_runs); one run
+// alone splits its blocks and rows across the threads. The BLAS products are the one part whose split
+// the library decides: the shapes tested give the same bits at 1 and 2 threads
 // (tests/test_kernels_step.py).
 #include "blocks.h"
 
@@ -47,76 +46,24 @@ inline scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
   return s;
 }
 
-// sum_c a[c] over n elements, in dot's order
-template <typename scalar_t>
-inline scalar_t sum(const scalar_t* a, int64_t n) {
-  using V = typename Lanes<scalar_t>::type;
-  using U = typename Unaligned<scalar_t>::type;
-  V acc = V{};
-  int64_t c = 0;
-  for (; c + VL <= n; c += VL) acc += *reinterpret_cast<const U*>(a + c);
-  scalar_t s = lane_sum(acc);
-  for (; c < n; ++c) s += a[c];
-  return s;
-}
-
 // out[c] += w x[c] for c < n
 template <typename scalar_t>
 inline void axpy(scalar_t w, const scalar_t* x, scalar_t* out, int64_t n) {
   for (int64_t c = 0; c < n; ++c) out[c] += w * x[c];
 }
 
-// LayerNorm over a row's d features (Ba, Kiros & Hinton 2016; torch.nn.LayerNorm, eps 1e-5):
-// y = (x - mean) rstd w + b with rstd = 1 / sqrt(var + eps), var the biased variance, both sums
-// taken in a fixed order (VL lanes, then the tail) with mean subtracted before squaring. Rows of [n, d]
-// (contiguous) in parallel, each in one thread; mean and rstd [n] kept for the backward.
-template <typename scalar_t>
-std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, const Tensor& w, const Tensor& b) {
-  const int64_t d = x.size(-1), n = x.numel() / d;
-  Tensor y = at::empty_like(x), mean = at::empty({n}, x.options()), rstd = at::empty({n}, x.options());
-  const scalar_t *X = x.const_data_ptr<scalar_t>(), *Wt = w.const_data_ptr<scalar_t>(), *Bs = b.const_data_ptr<scalar_t>();
-  scalar_t *Y = y.mutable_data_ptr<scalar_t>(), *M = mean.mutable_data_ptr<scalar_t>(), *S = rstd.mutable_data_ptr<scalar_t>();
-  at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
-    std::vector<scalar_t> c(d);
-    for (int64_t r = r0; r < r1; ++r) {
-      const scalar_t* xr = X + r * d;
-      const scalar_t m = sum(xr, d) / scalar_t(d);
-      for (int64_t i = 0; i < d; ++i) c[i] = xr[i] - m;
-      const scalar_t s = scalar_t(1) / std::sqrt(dot(c.data(), c.data(), d) / scalar_t(d) + scalar_t(1e-5));
-      scalar_t* yr = Y + r * d;
-      for (int64_t i = 0; i < d; ++i) yr[i] = c[i] * s * Wt[i] + Bs[i];
-      M[r] = m;
-      S[r] = s;
-    }
-  });
-  return {y, mean, rstd};
-}
-
-// its backward: with xhat = (x - mean) rstd and g = dy w, dx = rstd (g - mean_c(g) - xhat mean_c(g xhat))
-// (rows in parallel, returned), dw = sum_rows dy xhat into dw and db = sum_rows dy into db (the rows
-// added in order, in one thread: the same bits at any thread count)
+// LayerNorm's backward (torch.nn.LayerNorm, eps 1e-5): dx from ATen's native_layer_norm_backward
+// (each row on its own), the weight's and bias's gradients here, dw = sum_rows dy xhat and
+// db = sum_rows dy with xhat = (x - mean) rstd, the rows added in order in one thread (ATen splits
+// those two sums across threads, so their bits depended on the thread count)
 template <typename scalar_t>
 Tensor ln_backward(const Tensor& dy_, const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& w,
-                   scalar_t* dw, scalar_t* db) {
+                   const Tensor& b, scalar_t* dw, scalar_t* db) {
   const Tensor dy = dy_.contiguous();
   const int64_t d = x.size(-1), n = x.numel() / d;
-  Tensor dx = at::empty_like(x);
-  const scalar_t *X = x.const_data_ptr<scalar_t>(), *DY = dy.const_data_ptr<scalar_t>(), *Wt = w.const_data_ptr<scalar_t>();
+  Tensor dx = std::get<0>(at::native_layer_norm_backward(dy, x, {d}, mean, rstd, w, b, {true, false, false}));
+  const scalar_t *X = x.const_data_ptr<scalar_t>(), *DY = dy.const_data_ptr<scalar_t>();
   const scalar_t *M = mean.const_data_ptr<scalar_t>(), *S = rstd.const_data_ptr<scalar_t>();
-  scalar_t* DX = dx.mutable_data_ptr<scalar_t>();
-  at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
-    std::vector<scalar_t> xh(d), g(d);
-    for (int64_t r = r0; r < r1; ++r) {
-      const scalar_t *xr = X + r * d, *dyr = DY + r * d;
-      for (int64_t i = 0; i < d; ++i) {
-        xh[i] = (xr[i] - M[r]) * S[r];
-        g[i] = dyr[i] * Wt[i];
-      }
-      const scalar_t a = sum(g.data(), d) / scalar_t(d), c = dot(g.data(), xh.data(), d) / scalar_t(d);
-      scalar_t* dxr = DX + r * d;
-      for (int64_t i = 0; i < d; ++i) dxr[i] = S[r] * (g[i] - a - xh[i] * c);
-    }
-  });
   std::fill(dw, dw + d, scalar_t(0));
   std::fill(db, db + d, scalar_t(0));
   for (int64_t r = 0; r < n; ++r) {
@@ -126,7 +73,7 @@ Tensor ln_backward(const Tensor& dy_, const Tensor& x, const Tensor& mean, const
       db[i] += dyr[i];
     }
   }
-  return dx;
+  return dx.contiguous();
 }
 
 
@@ -415,7 +362,6 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
     Buffer<scalar_t> dbias(T * TP), dsv(t.VR * VP), dvv(D.V * DP), dz(QR * DP), dpv(QR * VP), dp(QR * TP), ds(QR * TP),
         out(QR * DP), dq(t.VR * EP), dk(t.VR * EP);
     Buffer<int32_t> idx(TP);
-    Buffer<scalar_t> onehot(TP * VP);  // onehot[j][c] = 1 where key j is token c
     using V = typename Lanes<scalar_t>::type;
     for (int64_t h = h0; h < h1; ++h) {
       vocab_tables(D, tab, h, qs, gc[h], t);
@@ -425,11 +371,7 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
       for (int64_t b = 0; b < D.B; ++b) {
         const int64_t* tk = tok + b * T;
         const scalar_t* Pn = P + (h * D.B + b) * T * TP;
-        for (int64_t j = 0; j < T; ++j) {
-          idx[j] = static_cast<int32_t>(tk[j]);
-          std::fill(onehot.get() + j * VP, onehot.get() + (j + 1) * VP, scalar_t(0));
-          onehot[j * VP + tk[j]] = 1;
-        }
+        for (int64_t j = 0; j < T; ++j) idx[j] = static_cast<int32_t>(tk[j]);
         for (int64_t i = 0; i < T; ++i) copy_n(dZ + (b * T + i) * d + h * dh, dh, dz.get() + i * DP);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t glim = mask.group_lim(h, T, g), tiles = (glim + VL - 1) / VL;
@@ -442,15 +384,8 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
             const scalar_t* dsi = ds.get() + i * TP;
             V* acc = reinterpret_cast<V*>(dbias.get() + i * TP);
             for (int64_t u = 0; u < tiles; ++u) acc[u] += reinterpret_cast<const V*>(dsi)[u];
-          }
-          // dS onto the (query token, key token) pairs: each row's sum by key token (dS times the block's
-          // one-hot keys, in the rows of dpv, which are used up), added onto its query token's row of dS^v
-          rows_times(Rows<scalar_t>(ds.get(), TP, g * R, QR).p, 1, 0, glim, onehot.get(), VP, VP / VL,
-                     dpv.get() + g * R * VP, VP);
-          for (int64_t i = g * R; i < std::min(T, g * R + R); ++i) {
-            V* pair = reinterpret_cast<V*>(dsv.get() + tk[i] * VP);
-            const V* y = reinterpret_cast<const V*>(dpv.get() + i * VP);
-            for (int64_t u = 0; u < VP / VL; ++u) pair[u] += y[u];
+            scalar_t* pair = dsv.get() + tk[i] * VP;  // dS onto the (query token, key token) pairs, keys in order
+            for (int64_t j = 0, n = mask.lim[h * T + i]; j < n; ++j) pair[tk[j]] += dsi[j];
           }
         }
         // dv = P^T dz, R keys at a time, onto the key tokens' rows
@@ -636,8 +571,7 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   std::vector<Tensor> saved;
   const int64_t* tk = tok.const_data_ptr<int64_t>();
   // layer 0 on the vocabulary (fastpath point 3)
-  Tensor A0, mean0, rstd0;
-  std::tie(A0, mean0, rstd0) = layer_norm<scalar_t>(W.E, W.lnw[0], W.lnb[0]);
+  auto [A0, mean0, rstd0] = at::native_layer_norm(W.E, {d}, W.lnw[0], W.lnb[0], 1e-5);
   Tensor tab = at::mm(A0, W.win[0].t());  // [V, W]
   Tensor x = W.E.index_select(0, tok.reshape(-1));  // [B*T, d]
   Tensor Pl = at::empty({H, B, T, TP}, x.options()), Z = at::empty({B * T, d}, x.options());
@@ -652,8 +586,7 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   saved.insert(saved.end(), {tab, A0, mean0, rstd0, Pl, Z});
   x = at::addmm(x, Z, W.wout[0].t());
   for (int64_t l = 1; l < L - 1; ++l) {  // middle layers: every position
-    Tensor A, mean, rstd;
-    std::tie(A, mean, rstd) = layer_norm<scalar_t>(x, W.lnw[l], W.lnb[l]);
+    auto [A, mean, rstd] = at::native_layer_norm(x, {d}, W.lnw[l], W.lnb[l], 1e-5);
     Tensor proj = at::mm(A, W.win[l].t());  // [B*T, W]
     Tensor Pm = at::empty({H, B, T, TP}, x.options()), Zm = at::empty({B * T, d}, x.options());
     full_forward<scalar_t>(D, Rows0<scalar_t>{proj.mutable_data_ptr<scalar_t>(), nullptr, T, D.W},
@@ -667,8 +600,7 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   const int64_t l = L - 1;
   const Tensor& Wl = W.win[l];
   Tensor posT = at::tensor(pos, tok.options());
-  Tensor A, mean, rstd;
-  std::tie(A, mean, rstd) = layer_norm<scalar_t>(x, W.lnw[l], W.lnb[l]);
+  auto [A, mean, rstd] = at::native_layer_norm(x, {d}, W.lnw[l], W.lnb[l], 1e-5);
   Tensor A3 = A.view({B, T, d});
   Tensor Aq = A3.index_select(1, posT).reshape({B * P, d});
   Tensor Q = at::mm(Aq, Wl.narrow(0, 0, d).t()).view({B * P, H, dh}).transpose(0, 1);       // [H, B*P, dh]
@@ -685,8 +617,7 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   Tensor z = O.transpose(0, 1).reshape({B * P, d});
   Tensor xq = x.view({B, T, d}).index_select(1, posT).reshape({B * P, d});
   Tensor xL = at::addmm(xq, z, W.wout[l].t());
-  Tensor Y, meanf, rstdf;
-  std::tie(Y, meanf, rstdf) = layer_norm<scalar_t>(xL, W.lnfw, W.lnfb);
+  auto [Y, meanf, rstdf] = at::native_layer_norm(xL, {d}, W.lnfw, W.lnfb, 1e-5);
   logits.copy_(at::mm(Y, W.E.t()).view({B, P, D.V}));
   saved.insert(saved.end(), {x, A, mean, rstd, Q, U, QW, UW, QT, Pr, abar, z, xL, meanf, rstdf, Y});
   return saved;
@@ -731,7 +662,7 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
   const auto slot = [&](int64_t i) { return grads[i][k].mutable_data_ptr<scalar_t>(); };  // run k's gradient i
   // the tied unembedding and the final LayerNorm
   Tensor dE = at::mm(Gf.t(), Y);
-  Tensor dxL = ln_backward<scalar_t>(at::mm(Gf, W.E), xL, meanf, rstdf, W.lnfw, slot(1 + 5 * L), slot(2 + 5 * L));
+  Tensor dxL = ln_backward<scalar_t>(at::mm(Gf, W.E), xL, meanf, rstdf, W.lnfw, W.lnfb, slot(1 + 5 * L), slot(2 + 5 * L));
   // the last layer
   const int64_t l = L - 1;
   const Tensor& Wl = W.win[l];
@@ -774,7 +705,7 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
   Tensor dAf = dA3.view({B * T, d});
   add_rows<scalar_t>(dAf, qrows.data(), dAq.contiguous(), B * P);
   grads[3 + 5 * l][k].copy_(dWin);
-  Tensor dx = ln_backward<scalar_t>(dA3.view({B * T, d}), x, mean, rstd, W.lnw[l], slot(1 + 5 * l), slot(2 + 5 * l));
+  Tensor dx = ln_backward<scalar_t>(dA3.view({B * T, d}), x, mean, rstd, W.lnw[l], W.lnb[l], slot(1 + 5 * l), slot(2 + 5 * l));
   add_rows<scalar_t>(dx, qrows.data(), dxL.contiguous(), B * P);  // the residual at the loss positions
   // middle layers, last first
   for (int64_t m = L - 2; m >= 1; --m) {
@@ -791,7 +722,7 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
                             dZ.const_data_ptr<scalar_t>(), grads[5 + 5 * m][k].mutable_data_ptr<scalar_t>(),
                             dgp[m].mutable_data_ptr<scalar_t>(), dgc[m].mutable_data_ptr<scalar_t>());
     grads[3 + 5 * m][k].copy_(at::mm(dproj.t(), Am));
-    Tensor dxm = ln_backward<scalar_t>(at::mm(dproj, W.win[m]), xm, meanm, rstdm, W.lnw[m], slot(1 + 5 * m),
+    Tensor dxm = ln_backward<scalar_t>(at::mm(dproj, W.win[m]), xm, meanm, rstdm, W.lnw[m], W.lnb[m], slot(1 + 5 * m),
                                        slot(2 + 5 * m));
     dx = dx + dxm;
   }
@@ -815,7 +746,7 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
                           dZ0.const_data_ptr<scalar_t>(), grads[5][k].mutable_data_ptr<scalar_t>(),
                           dgp[0].mutable_data_ptr<scalar_t>(), dgc[0].mutable_data_ptr<scalar_t>());
   grads[3][k].copy_(at::mm(dtab.t(), A0));
-  Tensor dEn = ln_backward<scalar_t>(at::mm(dtab, W.win[0]), W.E, mean0, rstd0, W.lnw[0], slot(1), slot(2));
+  Tensor dEn = ln_backward<scalar_t>(at::mm(dtab, W.win[0]), W.E, mean0, rstd0, W.lnw[0], W.lnb[0], slot(1), slot(2));
   dE.add_(dEn);
   add_rows<scalar_t>(dE, tk, dx.contiguous(), B * T);  // x_0 = E[tok]
   grads[0][k].copy_(dE);
