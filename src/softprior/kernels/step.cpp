@@ -33,25 +33,6 @@ namespace {
 
 using at::Tensor;
 
-// sum_c a[c] b[c] over n elements: VL lanes accumulated in order, reduced in a fixed order, then the tail
-template <typename scalar_t>
-inline scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
-  using V = typename Lanes<scalar_t>::type;
-  using U = typename Unaligned<scalar_t>::type;
-  V acc = V{};
-  int64_t c = 0;
-  for (; c + VL <= n; c += VL) acc += *reinterpret_cast<const U*>(a + c) * *reinterpret_cast<const U*>(b + c);
-  scalar_t s = lane_sum(acc);
-  for (; c < n; ++c) s += a[c] * b[c];
-  return s;
-}
-
-// out[c] += w x[c] for c < n
-template <typename scalar_t>
-inline void axpy(scalar_t w, const scalar_t* x, scalar_t* out, int64_t n) {
-  for (int64_t c = 0; c < n; ++c) out[c] += w * x[c];
-}
-
 // LayerNorm's backward (torch.nn.LayerNorm, eps 1e-5): dx from ATen's native_layer_norm_backward
 // (each row on its own), the weight's and bias's gradients here, dw = sum_rows dy xhat and
 // db = sum_rows dy with xhat = (x - mean) rstd, the rows added in order in one thread (ATen splits
@@ -75,7 +56,6 @@ Tensor ln_backward(const Tensor& dy_, const Tensor& x, const Tensor& mean, const
   }
   return dx.contiguous();
 }
-
 
 struct Dims {
   int64_t B, T, d, H, dh, r, e, W, V, P, nctx, L;
@@ -444,6 +424,25 @@ std::vector<int64_t> query_rows(const std::vector<int64_t>& pos, int64_t B, int6
   for (int64_t b = 0; b < B; ++b)
     for (int64_t p : pos) rows.push_back(b * T + p);
   return rows;
+}
+
+// sum_c a[c] b[c] over n elements: VL lanes accumulated in order, reduced in a fixed order, then the tail
+template <typename scalar_t>
+inline scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
+  using V = typename Lanes<scalar_t>::type;
+  using U = typename Unaligned<scalar_t>::type;
+  V acc = V{};
+  int64_t c = 0;
+  for (; c + VL <= n; c += VL) acc += *reinterpret_cast<const U*>(a + c) * *reinterpret_cast<const U*>(b + c);
+  scalar_t s = lane_sum(acc);
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// out[c] += w x[c] for c < n
+template <typename scalar_t>
+inline void axpy(scalar_t w, const scalar_t* x, scalar_t* out, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) out[c] += w * x[c];
 }
 
 // The last layer's attention at the loss positions (fastpath point 4), one example at a time: with
