@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -186,21 +187,19 @@ struct Mask {
 // two-table permute (vpermt2ps) of the row held in registers; elsewhere element by element.
 template <typename scalar_t>
 inline void gather_tiles(const scalar_t* row, int64_t width, const int32_t* idx, int64_t tiles, scalar_t* out) {
+#if defined(__AVX512F__)
+  static_assert(VL == 16, "one permute fills 16 lanes");
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (width <= 2 * VL) {
+      const __m512 lo = _mm512_loadu_ps(row), hi = width > VL ? _mm512_loadu_ps(row + VL) : lo;
+      for (int64_t t = 0; t < tiles; ++t)
+        _mm512_storeu_ps(out + t * VL, _mm512_permutex2var_ps(lo, _mm512_loadu_si512(idx + t * VL), hi));
+      return;
+    }
+  }
+#endif
   for (int64_t j = 0; j < tiles * VL; ++j) out[j] = row[idx[j]];
 }
-#if defined(__AVX512F__)
-template <>
-inline void gather_tiles<float>(const float* row, int64_t width, const int32_t* idx, int64_t tiles, float* out) {
-  static_assert(VL == 16, "one permute fills 16 lanes");
-  if (width > 2 * VL) {
-    for (int64_t j = 0; j < tiles * VL; ++j) out[j] = row[idx[j]];
-    return;
-  }
-  const __m512 lo = _mm512_loadu_ps(row), hi = width > VL ? _mm512_loadu_ps(row + VL) : lo;
-  for (int64_t t = 0; t < tiles; ++t)
-    _mm512_storeu_ps(out + t * VL, _mm512_permutex2var_ps(lo, _mm512_loadu_si512(idx + t * VL), hi));
-}
-#endif
 
 // src itself where its rows (stride cols) are whole tiles, else a copy in buf with rows padded to tiles
 template <typename scalar_t>
