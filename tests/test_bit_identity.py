@@ -175,45 +175,80 @@ def test_runs_are_bit_identical_to_the_recorded_reference(preset, task, monkeypa
 
 
 # The same procedure with the fused operators (kernels/), which round otherwise than the pure-PyTorch
-# path above: recorded on the ``SIGNATURE`` machine, one thread, by running ``_digest`` over ``_configs``
-# for ``train`` and ``train_group`` as the test below does, and pasted here. Linear ICL's were recorded
-# at 7cdf74e (the attention operator's first commit); associative recall's and Markov's (the whole-step
-# operator, kernels/step.py, computes their uncalibrated configs: a few loss positions) at the commit
-# that summed its LayerNorms' weight gradients itself (in a fixed order; ATen's split them by thread). The operator is built for the CPU it runs on
-# (``-march=native``), so these hold on that CPU family only.
+# path above: recorded with one thread by running ``_digest`` over ``_configs`` for ``train`` and
+# ``train_group`` as the test below does, and pasted here, per ISA (issue: bits that do not depend on
+# the ISA, or an ISA that is part of the record). The kernels are built for an ISA level with fixed
+# tuning (``kernels/build.py``), and their own bits are the same for the AVX2 and the AVX-512 build
+# (measured: equal digests with ATen's kernels held at one ISA); ATen's kernels and MKL's GEMM are
+# not, so a whole run's bits are the ISA's. ``FUSED``: recorded on the ``SIGNATURE`` machine (an
+# AMD EPYC with AVX-512) at the commit that built for ISA levels (``-march=x86-64-v4 -mtune=generic``;
+# before, ``-march=native`` tuned for the build machine's model, which moved its FMA contractions).
+# ``FUSED_AVX2``: the same machine run as an AVX2 machine (``AVX2_ENV``: the kernels built for
+# x86-64-v3, ATen's kernels and MKL restricted to AVX2); ``test_the_avx2_build_...`` runs it there.
 FUSED = {
-    "single/base/assoc_recall/dual_loss": "125d8ffe9bf3b572",
-    "single/base/assoc_recall/linear0.5->0": "f68a3a9e13925589",
-    "single/base/assoc_recall/prior_dropout": "00e42647a9b9de50",
-    "single/base/assoc_recall/unforced": "7c63cdab0c13988a",
+    "single/base/assoc_recall/dual_loss": "628bfaf0e4769842",
+    "single/base/assoc_recall/linear0.5->0": "f4104dd125062af7",
+    "single/base/assoc_recall/prior_dropout": "69548f59aa2fa63c",
+    "single/base/assoc_recall/unforced": "3e886a4969bf2fc5",
     "single/base/linear_icl/dual_loss": "38b843cfb257c706",
     "single/base/linear_icl/linear0.5->0": "c6c9aaca8a0e0f2a",
     "single/base/linear_icl/prior_dropout": "61343338e077f8e1",
     "single/base/linear_icl/unforced": "e987931703b35fc2",
-    "single/base/markov/dual_loss": "b93e8d88820982bb",
-    "single/base/markov/linear0.5->0": "f1173f9f473669b8",
-    "single/base/markov/prior_dropout": "c0781b285dccc883",
-    "single/base/markov/unforced": "74a040cfe5787308",
-    "single/large/assoc_recall/dual_loss": "644103624e5521dd",
-    "single/large/assoc_recall/linear0.5->0": "15bc8eb26e813aab",
-    "single/large/assoc_recall/prior_dropout": "83e5c40ce04b04a2",
-    "single/large/assoc_recall/unforced": "591d15d898f14e12",
+    "single/base/markov/dual_loss": "1a32bd88414eb9d2",
+    "single/base/markov/linear0.5->0": "2d8fc78d3ccb190e",
+    "single/base/markov/prior_dropout": "f5f64e8f527b4ccc",
+    "single/base/markov/unforced": "a413e31e891c30da",
+    "single/large/assoc_recall/dual_loss": "6108fd97f605005b",
+    "single/large/assoc_recall/linear0.5->0": "3e4c5905ffecf870",
+    "single/large/assoc_recall/prior_dropout": "3cbdb10344b61c6f",
+    "single/large/assoc_recall/unforced": "374b2ed58281e544",
     "single/large/linear_icl/dual_loss": "9140bb47b32c8204",
     "single/large/linear_icl/linear0.5->0": "a833aef4cc58e10e",
     "single/large/linear_icl/prior_dropout": "a57edb6539afae37",
     "single/large/linear_icl/unforced": "15f3598830f9c581",
-    "single/large/markov/dual_loss": "7dc4fd4df8164bb5",
-    "single/large/markov/linear0.5->0": "58fca00987aecd3e",
-    "single/large/markov/prior_dropout": "2bd8f469f5b8678a",
-    "single/large/markov/unforced": "4c2876458c081791",
+    "single/large/markov/dual_loss": "314e1ea79cea2bee",
+    "single/large/markov/linear0.5->0": "b5da8e52d4b7ea60",
+    "single/large/markov/prior_dropout": "b2cb7ba737e3e15a",
+    "single/large/markov/unforced": "f507911484bec572",
 }
+
+SIGNATURE_AVX2 = ("2.13.0+cpu", "AVX2", "x86_64", "no AMX")
+AVX2_ENV = {"SOFTPRIOR_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+FUSED_AVX2 = {
+    "single/base/assoc_recall/dual_loss": "628bfaf0e4769842",
+    "single/base/assoc_recall/linear0.5->0": "f4104dd125062af7",
+    "single/base/assoc_recall/prior_dropout": "69548f59aa2fa63c",
+    "single/base/assoc_recall/unforced": "3e886a4969bf2fc5",
+    "single/base/linear_icl/dual_loss": "039d126e88a0ebe0",
+    "single/base/linear_icl/linear0.5->0": "67cbf47a7dfd8641",
+    "single/base/linear_icl/prior_dropout": "61657a5ad59a2209",
+    "single/base/linear_icl/unforced": "47084a3169f2956b",
+    "single/base/markov/dual_loss": "1a32bd88414eb9d2",
+    "single/base/markov/linear0.5->0": "2d8fc78d3ccb190e",
+    "single/base/markov/prior_dropout": "f5f64e8f527b4ccc",
+    "single/base/markov/unforced": "a413e31e891c30da",
+    "single/large/assoc_recall/dual_loss": "6108fd97f605005b",
+    "single/large/assoc_recall/linear0.5->0": "3e4c5905ffecf870",
+    "single/large/assoc_recall/prior_dropout": "3cbdb10344b61c6f",
+    "single/large/assoc_recall/unforced": "374b2ed58281e544",
+    "single/large/linear_icl/dual_loss": "34f501d32eefdafb",
+    "single/large/linear_icl/linear0.5->0": "b2b3013b5db18ab3",
+    "single/large/linear_icl/prior_dropout": "0aae7e374331f1c8",
+    "single/large/linear_icl/unforced": "4d5b7df0d3583dcd",
+    "single/large/markov/dual_loss": "314e1ea79cea2bee",
+    "single/large/markov/linear0.5->0": "b5da8e52d4b7ea60",
+    "single/large/markov/prior_dropout": "b2cb7ba737e3e15a",
+    "single/large/markov/unforced": "f507911484bec572",
+}
+_FUSED_BY_SIGNATURE = {SIGNATURE: FUSED, SIGNATURE_AVX2: FUSED_AVX2}
 
 
 @pytest.mark.parametrize("task", ["assoc_recall", "markov", "linear_icl"])
 @pytest.mark.parametrize("preset", ["base", "large"])
 def test_fused_runs_are_bit_identical_to_the_recorded_reference(preset, task, monkeypatch):
-    if _signature() != SIGNATURE:
-        pytest.skip(f"the fused path's digests were recorded on {SIGNATURE}, this is {_signature()}")
+    table = _FUSED_BY_SIGNATURE.get(_signature())
+    if table is None:
+        pytest.skip(f"the fused path's digests were recorded on {list(_FUSED_BY_SIGNATURE)}, this is {_signature()}")
     monkeypatch.delenv(kernels.ENV, raising=False)
     if not kernels.available():
         pytest.skip(f"the fused operator did not build: {kernels.build_error()}")
@@ -221,7 +256,30 @@ def test_fused_runs_are_bit_identical_to_the_recorded_reference(preset, task, mo
     cfgs = _configs(preset, task)
     got = {f"single/{preset}/{task}/{c.path.name}": _digest(train(c)) for c in cfgs}
     got.update({f"group/{preset}/{task}/{c.path.name}": _digest(r) for c, r in zip(cfgs, train_group(cfgs))})
-    assert got == _want(FUSED, preset, task)
+    assert got == _want(table, preset, task)
+
+
+
+
+def test_the_avx2_build_gives_its_recorded_digests_and_the_readable_models_numbers():
+    """On an AVX-512 host, the AVX2 build of the kernels (and ATen and MKL held to AVX2: ``AVX2_ENV``)
+    in a fresh process: the whole step equals the readable model in float64 and every fused run gives
+    ``FUSED_AVX2``'s digests."""
+    import os
+    import subprocess
+    import sys
+
+    from softprior.kernels.build import native_isa
+    if native_isa() != "avx512" or _signature()[:1] != SIGNATURE[:1]:
+        pytest.skip(f"needs an AVX-512 host with torch {SIGNATURE[0]} to run the AVX2 build beside the native one")
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.join(here, "test_bit_identity.py") + "::test_fused_runs_are_bit_identical_to_the_recorded_reference",
+                          os.path.join(here, "test_kernels_step.py") + "::test_the_whole_step_equals_the_readable_model_in_float64",
+                          os.path.join(here, "test_kernels_step.py") + "::test_gradcheck_in_float64_for_every_parameter_and_both_gates"],
+                         env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, timeout=1200)
+    tail = out.stdout.strip().splitlines()[-1:] or [out.stderr[-300:]]
+    assert out.returncode == 0 and "skipped" not in tail[0], out.stdout[-3000:] + out.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------ pins for any CPU

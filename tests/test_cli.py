@@ -17,7 +17,10 @@ STEPS = "20"
 def cli(capsys, *argv):
     """Run the CLI; return (exit code, stdout, stderr)."""
     capsys.readouterr()
-    rc = main(list(argv))
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse's own refusals (a bad value of a typed option) exit 2, in one line
+        rc = e.code
     out, err = capsys.readouterr()
     return rc, out, err
 

@@ -49,6 +49,9 @@ _NEIGHBOURS = ("fade600", "unforced", "forced_zero", "prior_dropout", "dual_loss
     ("linear_icl", "dual_loss", {}, False),  # a vector task: d_out = 1, a matrix-vector read-out
     ("assoc_recall", "fade600", {"positional": "kerple_log"}, False),  # a scheme with parameters
     ("assoc_recall", "unforced", {}, True),  # the readable model (vmapped), as for a scheme fastpath lacks
+    # learned gates per head on the whole-step operator: each run's own sigmoid (one sigmoid over the
+    # stacked [K, 2, L, H] logits rounds some runs' gates in the kernel's scalar tail)
+    ("assoc_recall", "unforced", {"gate_granularity": "head", "gate_logit_init": -1.0}, False),
 ])
 def test_a_run_is_bit_identical_alone_and_in_groups_of_2_5_and_8(monkeypatch, task, path, model, reference):
     """The same run id gives the same bits trained alone (K = 1) or beside 1, 4 or 7 other runs: its
@@ -68,3 +71,25 @@ def test_a_run_is_bit_identical_alone_and_in_groups_of_2_5_and_8(monkeypatch, ta
         others = [cfg(p, s) for s, p in zip(range(1, K), _NEIGHBOURS)]
         digests.append(_digest(train_group([target, *others])[0]))
     assert digests == [digests[0]] * 4, f"alone, 2, 5, 8: {[d[:12] for d in digests]}"
+
+
+@pytest.mark.parametrize("model", ["base", "large"])
+def test_a_run_is_bit_identical_at_one_and_two_threads_alone_and_grouped(model):
+    """Nothing a user does not choose changes a run's bits: the thread count neither. The whole-step
+    operator's reductions have a fixed order; the gradient clipping's norms and AdamW run in one thread
+    (``runtime.one_thread``: ATen split them by thread, and a large run's weights differed after a few
+    steps at 1 and 2 threads)."""
+    def cfg(p, seed):
+        return make_run_config("assoc_recall", p, seed, model=model, steps=12, eval_every=6, n_val=32, batch_size=32)
+
+    runs = [cfg("fade600->0", 0), cfg("unforced", 1)]
+    got = {}
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got[n] = [_digest(train_group([r])[0]) for r in runs] + [_digest(r) for r in train_group(runs)]
+    finally:
+        torch.set_num_threads(before)
+    assert got[1][:2] == got[1][2:], "alone and grouped differ"
+    assert got[1] == got[2], "1 and 2 threads differ"

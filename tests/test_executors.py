@@ -632,3 +632,54 @@ def test_performance_doc_quotes_the_built_in_group_scaling():
     k = ex.choose_group_size(9, 2, ex.GROUP_SCALING)
     assert f"README's 9-run job in groups of K = {k} on 2 workers" in " ".join(doc.split())
     assert ex.choose_group_size(3, 2, ex.GROUP_SCALING_BY_MODEL["large"]) == 1  # "and large runs alone"
+
+
+_SWEEP_TO_STOP = """
+import sys
+from softprior.config import make_run_config
+from softprior.executors import execute
+from softprior.store import RunStore
+kw = dict(eval_every=10, n_val=16, batch_size=8, calibrated=False, checkpoint_every=0)
+cfgs = [make_run_config("assoc_recall", "unforced", 0, steps=20, **kw),
+        make_run_config("assoc_recall", "unforced", 1, steps=1_000_000, **kw)]
+try:
+    rep = execute(cfgs, RunStore(sys.argv[1]), workers=2, progress=False)
+    print("finished", rep.trained, flush=True)
+except KeyboardInterrupt as e:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_driver_alone_stops_the_workers_and_keeps_finished_runs(tmp_path, sig):
+    """``kill -INT PID`` (what ``timeout -s INT`` sends) or SIGTERM reaches the sweep's driver, not its
+    workers: the driver tells them, each checkpoints and stops, and the runs that finished are kept, so
+    the re-run counts them as done and resumes the others."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from softprior.config import make_run_config
+    from softprior.store import RunStore
+    kw = dict(eval_every=10, n_val=16, batch_size=8, calibrated=False, checkpoint_every=0)
+    short = make_run_config("assoc_recall", "unforced", 0, steps=20, **kw)
+    long_runs = [make_run_config("assoc_recall", "unforced", 1, steps=1_000_000, **kw)]
+    root = tmp_path / "s"
+    proc = subprocess.Popen([sys.executable, "-c", _SWEEP_TO_STOP, str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:  # until the short run is in the store
+        if (root / "index.sqlite").exists() and RunStore(root).is_done(short.run_id):
+            break
+        time.sleep(0.5)
+    time.sleep(3)  # the long run under way in the other worker
+    assert proc.poll() is None, proc.stderr.read()[-2000:]
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=300)  # (a hang guard: the old driver waited for its workers' whole runs)
+    assert proc.returncode == 130 and "interrupted" in out, err[-2000:]
+    store = RunStore(root)
+    assert store.is_done(short.run_id) and not any(store.is_done(c.run_id) for c in long_runs)
+    ckpts = [store.files.load_checkpoint(c.run_id) for c in long_runs]
+    assert all(ck is not None and ck["meta"]["step"] > 0 for ck in ckpts), "an interrupted run left no checkpoint"

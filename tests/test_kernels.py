@@ -138,8 +138,9 @@ def test_the_environment_switch_forces_the_pure_pytorch_path(monkeypatch):
 def test_the_ninja_package_is_found_where_ninja_is_not_on_the_path(monkeypatch):
     """cpp_extension runs ``ninja`` from PATH; a venv used without activation has the ninja package's
     binary off the PATH, so the loader appends the package's bin directory."""
+    from softprior.kernels import build
     ninja = pytest.importorskip("ninja")
-    monkeypatch.setattr(attention_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     monkeypatch.setenv("PATH", "/nonexistent")
-    attention_module._ensure_ninja()
-    assert attention_module.os.environ["PATH"].split(attention_module.os.pathsep) == ["/nonexistent", ninja.BIN_DIR]
+    build._ensure_ninja()
+    assert build.os.environ["PATH"].split(build.os.pathsep) == ["/nonexistent", ninja.BIN_DIR]

@@ -81,6 +81,20 @@ def test_a_forged_and_rehashed_record_is_refused(repo):
     assert where == rel and "no commit ships it with its present content" in why and "\n" not in why
 
 
+def test_a_rewritten_record_committed_later_with_its_old_time_is_refused(repo):
+    """Write-once (issue: a shipped record's options changed, re-hashed, its ``registered_at`` kept, and
+    the change committed): its present content was first committed long after its registration."""
+    rel = _ship(repo, _record(T0 - 60), T0)
+    forged = _record(T0 - 60, model_options={"embed_init_std": 0.5})
+    _ship(repo, forged, T0 + 86400)
+    ((where, why),) = _problems(repo, forged, rel, None)
+    assert where == rel and "never rewritten" in why and "\n" not in why
+    # committed within the window of its registration: accepted
+    fresh = _record(T0 + 86400 - 60 * (R.WRITE_ONCE_MINUTES - 1), model_options={"embed_init_std": 0.7})
+    _ship(repo, fresh, T0 + 86400 + 60)
+    assert _problems(repo, fresh, rel, None) == []
+
+
 def test_a_back_dated_record_is_refused(repo):
     """Registered (by its own word) before the first row, but first committed after that row had started."""
     rec = _record(T0 - 7200)
@@ -185,6 +199,29 @@ def test_training_under_a_forged_shipped_record_is_refused(monkeypatch, repo, tm
     assert "no commit ships it with its present content" in str(e.value) and "\n" not in str(e.value)
 
 
+def _rewritten(monkeypatch, repo: Path) -> dict:
+    """The issue's forgery in ``repo``: an honest record for ``_row()`` committed at registration, then
+    its options changed, re-hashed with its old ``registered_at`` kept, and committed (a minute ago)."""
+    now = time.time()
+    honest = _record(now - 7200, keys=[R.calibration_key(_row())])
+    _packaged(monkeypatch, repo, honest, now - 7100)
+    forged = _record(now - 7200, keys=[R.calibration_key(_row())], model_options={"embed_init_std": 0.5})
+    _packaged(monkeypatch, repo, forged, now - 60)
+    return forged
+
+
+def test_a_rewritten_committed_record_is_refused_by_train_and_by_store_verify(monkeypatch, repo, tmp_path):
+    from softprior.executors import execute
+    from softprior.store import RunStore
+    from softprior.store.integrity import verify_store
+    _rewritten(monkeypatch, repo)
+    with pytest.raises(R.RecordRefused) as e:
+        execute([_row()], RunStore(tmp_path / "s"), progress=False)
+    assert "never rewritten" in str(e.value) and "\n" not in str(e.value)
+    rep = verify_store(tmp_path / "s")
+    assert not rep.healthy and any("never rewritten" in p.what for p in rep.problems)
+
+
 def test_store_verify_reports_a_forged_shipped_record_and_a_changed_claim(monkeypatch, repo, tmp_path):
     from softprior.store import RunStore
     from softprior.store.integrity import verify_store
@@ -228,3 +265,15 @@ def test_a_bundle_checks_its_records_against_its_manifest(tmp_path, monkeypatch)
     with pytest.raises(R.RecordRefused) as e:
         verify_named(BundleSource(b), [h])
     assert "the bundle's manifest does not list this record" in str(e.value)
+
+
+def test_a_confidence_changed_after_registration_is_named_and_refused(monkeypatch):
+    """The confidence level is a predicate field like any other: moved after registration, every claim
+    registered under the old level reads as changed (and its verdict is refused)."""
+    registered = C.claims_spec()
+    monkeypatch.setattr(C, "CONFIDENCE", 0.9)
+    changes = C.changed_claims(registered)
+    assert set(changes) == {c.name for c in C.CLAIMS}
+    assert all(lines == ["confidence registered as 0.95, declared now as 0.9"] for lines in changes.values())
+    refused = [v for _, v, _ in C.verdicts({}, changed=changes)]
+    assert refused == [C.REFUSED] * len(C.CLAIMS)

@@ -118,3 +118,33 @@ def test_membership_is_a_plain_question_not_an_error():
     with pytest.raises(UnknownBaselineError) as ei:  # the baseline error, not the scheme registry one
         resolve_baseline("no_such_baseline")
     assert "baseline" in str(ei.value)
+
+
+def test_a_task_or_prior_name_is_registered_once_unless_overwrite_is_asked():
+    """``register_task`` and ``register_prior`` refuse a name already taken (a plugin cannot silently
+    replace a built-in task or prior) and replace it only with ``overwrite=True``."""
+    from softprior.priors import PRIORS, register_prior
+    from softprior.task_configs import TASK_SPECS, register_task, task_spec
+    spec = task_spec("assoc_recall")
+    with pytest.raises(ValueError, match="already registered"):
+        register_task("assoc_recall", config=spec.config, generator=spec.generator, description="another")
+    assert task_spec("assoc_recall") is spec
+    family = PRIORS["alibi"]
+    with pytest.raises(ValueError, match="already registered"):
+        register_prior("alibi", family.build, "another")
+    try:
+        register_prior("alibi", family.build, "another", overwrite=True)
+        assert PRIORS["alibi"].description == "another"
+    finally:
+        PRIORS.register("alibi", family, overwrite=True)
+    assert TASK_SPECS["assoc_recall"] is spec
+
+
+def test_a_prior_that_is_not_a_module_with_a_bias_is_refused_in_one_line():
+    from softprior.priors import register_prior
+
+    class NotAPrior:
+        pass
+    with pytest.raises(TypeError, match="got NotAPrior") as e:
+        register_prior("not_a_prior", NotAPrior, "no bias")
+    assert "\n" not in str(e.value)

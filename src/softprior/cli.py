@@ -26,6 +26,17 @@ class CliError(Exception):
     """Bad input found by the command line itself (exit code 2)."""
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1 (``--workers``), refused in one line before anything runs."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def _one_line(msg: str) -> str:
     """``msg`` with every non-printable character (newlines included) escaped as ``repr`` does, so an
     error is always one line, whatever the user typed."""
@@ -826,8 +837,11 @@ def cmd_tasks(args) -> int:
     """Each task, its options and the Bayes ceiling of its registered default (closed form, no torch);
     ``--ceilings``: every default's ceiling or references measured (Monte Carlo where there is no
     closed form: Markov at each p, linear ICL's least squares, Bayes ridge and one GD step)."""
+    from .plugins import load_plugin
     from .preregistration import default_options
     from .task_configs import TASK_CONFIGS, describe_tasks
+    for f in args.plugin or []:
+        load_plugin(f)
     defaults = {t: default_options(t)[0] for t in TASK_CONFIGS}
     _print_rows(describe_tasks(defaults))
     if not args.ceilings:
@@ -896,7 +910,7 @@ def _add_study_parser(sub) -> None:
     s.add_argument("--out", default="study", help="where study/NAME/ goes (default ./study)")
     s.add_argument("--store", default="runs")
     s.add_argument("--executor", default="local", choices=["local", "ray"])
-    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--workers", type=_at_least_one, default=1)
     s.add_argument("--group", type=_group_arg, default="auto", help="runs per group, or 'auto' (as reproduce)")
     s.add_argument("--address", default=None)
     s.set_defaults(fn=cmd_study)
@@ -960,7 +974,7 @@ def _add_experiment_parsers(sub) -> None:
         r.add_argument("--readme", default=None, help="paper only: also splice the verdict summary into this file")
         r.add_argument("--calibration-doc", default=None, help="paper only: also write the generated blocks of this "
                        "file (docs/CALIBRATION.md) for each task's searched space, and OUT/calibration/SPACE")
-        r.add_argument("--workers", type=int, default=1, help="parallel worker processes (local) or jobs (ray); "
+        r.add_argument("--workers", type=_at_least_one, default=1, help="parallel worker processes (local) or jobs (ray); "
                        "for 'paper' also the processes that write the reports")
         if name == "report":
             _add_report_args(r)
@@ -1039,7 +1053,7 @@ def _add_calibrate_parser(sub) -> None:
                    "section of RESULTS.md, then regenerate from the bundle: `report paper --from-bundle DIR`); "
                    "--out defaults to DIR's results directory/calibration/SPACE")
     c.add_argument("--executor", default="local", choices=["local", "ray"])
-    c.add_argument("--workers", type=int, default=1)
+    c.add_argument("--workers", type=_at_least_one, default=1)
     c.add_argument("--group", type=_group_arg, default="auto", help="runs per group, or 'auto' (as reproduce)")
     c.add_argument("--batch", type=int, default=4, help="candidates asked of Optuna at once")
     c.add_argument("--address", default=None)
@@ -1091,6 +1105,7 @@ def _add_store_and_listing_parsers(sub) -> None:
     tk = sub.add_parser("tasks", help="list tasks, their options and ceilings")
     tk.add_argument("--ceilings", action="store_true", help="also measure every default's Bayes ceiling "
                     "(Monte Carlo where there is no closed form; imports torch)")
+    tk.add_argument("--plugin", action="append", help="a Python file that registers tasks")
     tk.set_defaults(fn=cmd_tasks)
 
 

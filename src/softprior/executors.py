@@ -46,6 +46,7 @@ as an error, not as mere slowness.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import math
@@ -396,6 +397,32 @@ class _Pool:
 
     def busy(self):
         return bool(self.futs)
+
+    def interrupt(self, timeout: float = 300.0) -> list:
+        """After SIGINT or SIGTERM to the driver alone: SIGINT to every worker (a training job writes its
+        checkpoint and stops: ``train.DeferredInterrupt``), then (cfgs, init_states, JobResult) of every
+        job that finished, to be written to the store. Jobs still running after ``timeout`` are left to
+        their checkpoints."""
+        import signal
+        from concurrent.futures import wait
+        for proc in list((getattr(self.ex, "_processes", None) or {}).values()):
+            with contextlib.suppress(OSError, AttributeError):
+                os.kill(proc.pid, signal.SIGINT)
+        pending = list(self.futs)
+        while pending:
+            try:
+                wait(pending, timeout=timeout)
+                break
+            except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
+                break
+        out = []
+        for f, (cfgs, inits, _job, _tries, _gen) in list(self.futs.items()):
+            if f.done() and not f.cancelled() and f.exception() is None:
+                res = f.result()
+                if res.engine_error is None and not res.crashed:
+                    out.append((cfgs, inits, res))
+        self.futs.clear()
+        return out
 
     def close(self):
         self.ex.shutdown(cancel_futures=True)
@@ -824,11 +851,16 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
     ledger = _Ledger(store, ("ray" if executor == "ray" else "pool" if workers > 1 else "serial"), workers, gemm)
     collect = functools.partial(_collect, backend, store, report, failed_ids, sweep, on_result, ledger)
     try:
-        for phase in phases:
-            waiting = _run_phase(phase, store, backend, sweep, report, failed_ids, collect, group_size)
-            if wait_for_others:  # runs claimed by another live process: wait until that process finishes or dies
-                _wait_for_others(waiting, store, backend, sweep, report, failed_ids, collect, poll_seconds)
+        with _terminate_as_interrupt():
+            for phase in phases:
+                waiting = _run_phase(phase, store, backend, sweep, report, failed_ids, collect, group_size)
+                if wait_for_others:  # runs claimed by another live process: wait until that process finishes or dies
+                    _wait_for_others(waiting, store, backend, sweep, report, failed_ids, collect, poll_seconds)
     except KeyboardInterrupt:
+        # SIGINT or SIGTERM to this process alone (``kill -INT``, ``timeout``): the workers did not get it.
+        # They are told (each checkpoints and stops), and every job that finished is kept
+        for job in (backend.interrupt() if hasattr(backend, "interrupt") else []):
+            _collect(_Finished([job]), store, report, failed_ids, None, on_result, ledger)
         for c in cfgs:
             store.release(c.run_id)
         raise
@@ -844,6 +876,38 @@ def execute(cfgs: list[RunConfig], store: RunStore, *, executor: str = "local", 
                              "failed": len(report.failed), "jobs": ledger.jobs,
                              "group_size": group_size if isinstance(group_size, (int, str)) else dict(group_size)})
     return report
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """Within: SIGTERM raises KeyboardInterrupt, as SIGINT does (in the main thread only), so that a
+    sweep stopped either way keeps its finished runs and its checkpoints."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+class _Finished:
+    """A backend holding jobs that already finished (``execute`` collects them after an interrupt)."""
+
+    def __init__(self, jobs):
+        self.jobs = list(jobs)
+
+    def next_done(self, poll=None):
+        return self.jobs.pop(0)
+
+    def drain(self):
+        return []
 
 
 def _backend(store: RunStore, executor: str, workers: int, address: str | None, shared_store: bool | None,

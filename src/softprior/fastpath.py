@@ -88,7 +88,7 @@ from .kernels import step as kstep
 from .model import ModelConfig
 from .positional.rotary import rotate_pairs  # RoPE's rotation, shared with the readable scheme
 
-__all__ = ["supports", "fast_forward", "stacked_params", "model_forward"]
+__all__ = ["supports", "engine", "fast_forward", "stacked_params", "model_forward"]
 
 
 def supports(cfg: ModelConfig) -> bool:
@@ -98,6 +98,27 @@ def supports(cfg: ModelConfig) -> bool:
     its LayerNorms before the attention or none (post-LayerNorm runs in the readable model)."""
     return (getattr(cfg, "prior_family", "soft") == "soft" and _scheme_kind(cfg.positional) != "unsupported"
             and cfg.norm != "post")
+
+
+def engine(cfg: ModelConfig, tokens: bool, T: int, P: int, device: str = "cpu") -> tuple[str, str | None]:
+    """Which engine trains this model at context T with P loss positions, and why not the fastest:
+    ("whole-step", None) for the whole-step operator (``kernels/step.py``); ("fast-path", why) for
+    this module's run-stacked forward (its attention through the fused operator where it is built);
+    ("readable", why) for the readable model, vmapped one run at a time. A run summary records it per
+    run (``train.run_summary``, ``engine``)."""
+    if not supports(cfg):
+        family = getattr(cfg, "prior_family", "soft")
+        why = (f"prior family {family!r} is not on the fast path" if family != "soft" else
+               "post-LayerNorm is not on the fast path" if cfg.norm == "post" else
+               f"positional scheme {cfg.positional!r} is not on the fast path")
+        return "readable", why
+    why = kstep.why_not(cfg, tokens, T, P)
+    if why is None and device != "cpu":
+        why = f"device {device} (the operator is CPU code)"
+    if why is None and not kstep.enabled():
+        from .kernels.attention import build_error
+        why = f"the kernels' library is unavailable ({build_error() or 'switched off'})"
+    return ("whole-step", None) if why is None else ("fast-path", why)
 
 
 @lru_cache(maxsize=None)

@@ -64,7 +64,7 @@ __all__ = ["calibration_key", "shipped_records", "all_shipped_records", "find_re
            "record_named", "use_record", "UnknownRecordError",
            "RecordRefused", "DIFFICULTY_PATHS", "LATER_DEFAULTS", "default_options", "record_hash", "verify_record",
            "read_record", "shipped_files", "late_record_reason", "needs_record", "record_keys", "git_clock_problems",
-           "HASH_SCHEME", "without_later_defaults", "first_commits", "age_problems", "package_repo", "registered_time", "REGISTERED"]
+           "HASH_SCHEME", "WRITE_ONCE_MINUTES", "without_later_defaults", "first_commits", "age_problems", "package_repo", "registered_time", "REGISTERED"]
 
 # identification rows' paths (tiers.py): a constant or learned gate, or no prior; they need no record
 DIFFICULTY_PATHS = {"unforced", "forced_zero", "forced_const0.5", "soft_pos_only", "soft_content_only"}
@@ -378,6 +378,13 @@ def registered_time(rec: dict) -> float | None:
         return None
 
 
+# Write-once: a shipped record (hash scheme 2) is committed within this many minutes of its
+# ``registered_at`` (registration prints the command: ``calibration.doc.ship_record``), and its content
+# never changes after: a rewritten record, re-hashed with its old time kept, is first committed with its
+# new content long after that time, and is refused at train, report and ``store verify``. v1 records
+# (the first release's, whose time is outside their hash) are judged by the other rules alone.
+WRITE_ONCE_MINUTES = 15
+
 _COMMITS: dict[tuple, dict] = {}  # (repo, HEAD, the records' texts) -> first_commits' answer
 
 
@@ -451,5 +458,10 @@ def age_problems(first_rows: dict[str, float | None], records: Iterable[tuple[st
         elif row is not None and first[1] > row:
             out.append((where, f"first committed {when(first[1])} (commit {first[0][:12]}), after the first prediction "
                                f"row it covers started ({when(row)}): it was back-dated"))
+        elif rec.get("hash_scheme", 1) >= 2 and first[1] > reg + 60 * WRITE_ONCE_MINUTES:
+            out.append((where, f"first committed with its present content {when(first[1])} (commit {first[0][:12]}), "
+                               f"{(first[1] - reg) / 60:.0f} minutes after its registered_at {rec['registered_at']}: "
+                               f"a record is committed when it is registered (within {WRITE_ONCE_MINUTES} minutes) and "
+                               "never rewritten; this one was written or rewritten later"))
     return out
 

@@ -75,8 +75,11 @@ def register_prior(name: str, build, description: str, *, axes: dict | None = No
     with ``bias(qpos, kpos)``); ``axes``: calibration axes of the model config that set its
     initialisation (e.g. ``{"model.prior_scale": [0.5, 1, 2]}``), which ``softprior study`` searches."""
     from .plugins import current_plugin
-    if not callable(build):
-        raise TypeError(f"prior {name!r}: build must be a PositionalPrior subclass or a callable (cfg, layer)")
+    if not callable(build) or (isinstance(build, type) and not (issubclass(build, nn.Module)
+                                                                  and callable(getattr(build, "bias", None)))):
+        what = build.__name__ if isinstance(build, type) else type(build).__name__
+        raise TypeError(f"prior {name!r}: build must be a PositionalPrior subclass (an nn.Module with "
+                        f"bias(qpos, kpos)) or a callable (cfg, layer); got {what}")
     return PRIORS.register(name, PriorFamily(name, build, description, dict(axes or {}), current_plugin()),
                            overwrite=overwrite)
 

@@ -28,13 +28,15 @@ def provenance() -> dict:
     """``attention_backend``: the attention the fast path ran in this process, "fused-cpp" (the C++
     operator, ``kernels/attention.py``) or "torch" (its pure-PyTorch fallback); "unused" where this
     process has not run it (``kernels.attention_backend(build=False)``: recording it never builds).
-    ``step_operator``: whether the whole-step operator (``kernels/step.py``) has computed a training or
-    evaluation step in this process."""
+    ``isa``: the vector instructions the kernels were built for and ATen dispatches to
+    (``kernels.isa()``): the same code rounds differently on another ISA. Which engine trained a run
+    (``engine``, ``step_operator``) is the run's own, recorded per run by ``train.run_summary``: a
+    process-wide flag said the operator ran for a run that fell back beside one that used it."""
     import torch
 
-    from .kernels import attention_backend, step
+    from .kernels import attention_backend, isa
     return {**_static(), "threads": torch.get_num_threads(), "attention_backend": attention_backend(build=False),
-            "step_operator": step.used()}
+            "isa": isa()}
 
 
 def code_version(summary: dict) -> str:

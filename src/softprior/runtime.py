@@ -35,6 +35,7 @@ run bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -101,3 +102,27 @@ def choose_threads(workers: int = 1) -> tuple[int, str]:
     cores, free, w = usable_cores(), free_cores(), max(1, workers)
     n = max(1, min(cores // w, free // w))
     return n, f"{free} of {cores} cores free" + (f", {w} workers" if w > 1 else "")
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the block on one intra-op thread, then restore the count.
+
+    ATen splits a full reduction (a sum over one output) and an elementwise kernel across its threads,
+    and each thread's share has its own vector body and scalar tail, so the sum's order and which
+    elements take the scalar code depend on the thread count. The gradient clipping's norms and the
+    AdamW update over a large model's tensors (tens of thousands of elements: past ATen's grain of
+    32,768) gave other bits at 1 and 2 threads. In one thread they are computed as a one-thread
+    run computes them, so a run's weights do not depend on the thread count (docs/DESIGN.md,
+    "Bit-identity"; tests/test_bit_identity.py). Its cost is in docs/PERFORMANCE.md."""
+    import torch
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+

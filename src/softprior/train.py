@@ -28,6 +28,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -41,7 +42,7 @@ from .fastpath import model_forward
 from .model import SoftPriorTransformer, build_model  # noqa: F401 - build_model: re-exported (train.build_model)
 from .paths import PathConfig
 from .provenance import provenance
-from .runtime import prepare_training
+from .runtime import one_thread, prepare_training
 from .tasks import Task, make_task
 
 __all__ = ["train", "train_runs", "Runs", "clip_per_run_", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator", "prior_dropped",
@@ -232,6 +233,8 @@ class Runs:
         self.dual = torch.tensor([float(c.path.dual_loss) for c in cfgs], device=dev)
         self.zeros = torch.zeros(self.K, L, H, device=dev)
         self._LH = (L, H)
+        self.engine, self.engine_why = fastpath.engine(c0.model, c0.model.d_in is None, self.T, len(loss_pos),
+                                                       torch.device(dev).type)
         if fastpath.supports(c0.model):  # hand-fused and run-stacked already (fastpath.py)
             def batched(p, inputs, gp, gc):
                 return fastpath.fast_forward(p, c0.model, inputs, gp, gc, loss_pos)
@@ -265,7 +268,7 @@ class Runs:
             v = applied[0][i]
             return own if v is None else torch.tensor(v, dtype=own.dtype, device=self.dev).reshape(1, 1, 1).expand(1, L, H)
         learned = torch.tensor([a[i] is None for a in applied], device=self.dev)
-        forced = torch.tensor([0.0 if a[i] is None else a[i] for a in applied]).to(self.dev)
+        forced = torch.tensor([0.0 if a[i] is None else a[i] for a in applied], dtype=own.dtype, device=self.dev)
         return torch.where(learned[:, None, None], own, forced[:, None, None].expand(self.K, L, H))
 
     def step(self, step: int) -> torch.Tensor:
@@ -289,8 +292,9 @@ class Runs:
                 self.dual)
         self.opt.zero_grad(set_to_none=False)
         (loss_k.sum() if loss_k.dim() else loss_k).backward()
-        clip_per_run_([p.grad for p in self.params.values()], self.clip, self._grad_rows)
-        self.opt.step()
+        with one_thread():  # fixed reduction order and vector split, whatever the thread count (one_thread)
+            clip_per_run_([p.grad for p in self.params.values()], self.clip, self._grad_rows)
+            self.opt.step()
         return loss_k.detach().reshape(self.K)
 
     @torch.no_grad()
@@ -403,6 +407,7 @@ def _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, chec
         raise ValueError("a group's checkpoint does not keep snapshots: train runs with snapshot_every alone "
                          "(as sweeps do) or without checkpoints")
     runs = Runs(cfgs, init_states, device)
+    _announce_engine(runs.engine, runs.engine_why)
     K, c0, task, steps = runs.K, cfgs[0], runs.task, runs.steps
     run_ids = [c.run_id for c in cfgs]
     metrics: list[list[dict]] = [[] for _ in cfgs]
@@ -436,9 +441,22 @@ def _train_runs(cfgs, init_states, progress, device, resume, on_checkpoint, chec
 
     seconds = round(time.perf_counter() - t0, 3)
     n_params = runs.base.n_params()
-    return [RunResult(c, run_summary(c, task, metrics[k][-1], steps, seconds, n_params, group_size=K,
+    engine = {"engine": runs.engine, "step_operator": runs.engine == "whole-step"}  # per run, not per process
+    return [RunResult(c, run_summary(c, task, metrics[k][-1], steps, seconds, n_params, group_size=K, **engine,
                                      **({"resumed_at": start} if start else {})),
                       metrics[k], runs.weights(k), snapshots[k]) for k, c in enumerate(cfgs)]
+
+
+_announced: set = set()
+
+
+def _announce_engine(engine: str, why: str | None) -> None:
+    """One line on stderr, once per process and reason, when a configuration trains off the whole-step
+    operator (``fastpath.engine``), naming why."""
+    if why is not None and (engine, why) not in _announced:
+        _announced.add((engine, why))
+        where = "the readable model" if engine == "readable" else "the fast path without the whole-step operator"
+        print(f"softprior: training on {where}: {why}", file=sys.stderr, flush=True)
 
 
 def _loop(runs, cfgs, start, metrics, snapshots, loss_sum, n_in_window, clock, on_checkpoint, bar, interrupt):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -19,6 +20,23 @@ __all__ = ["register", "update_doc", "write_calibration"]
 def _nearest(cands):
     ok = [c for c in cands if c.status in ("fails", "pruned") and not math.isnan(c.distance)]
     return min(ok, key=lambda c: (c.status != "fails", c.distance)) if ok else None
+
+
+def ship_record(rec: dict, name: str) -> Path:
+    """Write ``rec`` as the package's ``registered/NAME`` and print the one command that commits it.
+    Records are write-once (``preregistration``, "write-once"): a file that holds another record is
+    refused, in one line; the record must be committed within ``WRITE_ONCE_MINUTES`` of its
+    ``registered_at``, or every later use refuses it."""
+    from ..preregistration import WRITE_ONCE_MINUTES, RecordRefused
+    dest = Path(str(resources.files("softprior.calibration") / "registered")) / name
+    if dest.exists() and json.loads(dest.read_text()).get("hash") != rec["hash"]:
+        raise RecordRefused(str(dest), "holds another record, and a shipped record is never rewritten: move it "
+                                       "aside (git mv) or ship the new one under another name")
+    dest.write_text(json.dumps(rec, indent=1, sort_keys=True))
+    print(f"softprior: shipped record {rec['hash']} as {dest}; commit it now (within {WRITE_ONCE_MINUTES} minutes "
+          f"of its registration, before any prediction row): git add {dest} && git commit -m 'register "
+          f"{rec['task']} record {rec['hash']}'", file=sys.stderr, flush=True)
+    return dest
 
 
 def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
@@ -62,8 +80,7 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
                       note=f"candidate {c.cid} of study {space.name}-{space.digest}")
     store.write_record(rec)
     if ship:
-        dest = Path(str(resources.files("softprior.calibration") / "registered")) / f"{space.task}.json"
-        dest.write_text(json.dumps(rec, indent=1, sort_keys=True))
+        ship_record(rec, f"{space.task}.json")
     if doc:
         from ..report import splice_into_doc
         splice_into_doc(doc, f"calibration-record-{space.task}", _record_md(rec))
@@ -105,8 +122,7 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
                       extra={"identified": entries, "length_reading": length_reading(space, store, members, steps=steps)})
     store.write_record(rec)
     if ship:
-        dest = Path(str(resources.files("softprior.calibration") / "registered")) / f"identified-{space.task}.json"
-        dest.write_text(json.dumps(rec, indent=1, sort_keys=True))
+        ship_record(rec, f"identified-{space.task}.json" if space.name == f"{space.task}_identify" else f"{space.name}.json")
     if doc:
         from ..report import splice_into_doc
         splice_into_doc(doc, *record_block(space, rec))

@@ -10,11 +10,9 @@ the blocks spread over torch's OpenMP threads (``torch.get_num_threads()``).
 
 It is the custom operator ``torch.ops.softprior.attention_forward`` (returning z and the softmax P,
 kept for the backward) with its autograd formula registered (``torch.library.register_autograd``)
-through ``torch.ops.softprior.attention_backward``. The library is compiled by
-``torch.utils.cpp_extension.load`` (g++ and ninja) into torch's extensions directory
-(``$TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions), once per machine: a later process
-loads the cached build. It is compiled for the CPU it runs on (``-march=native``), so its name
-carries a digest of the CPU's flags.
+through ``torch.ops.softprior.attention_backward``. The library is compiled at first use, once per
+machine and ISA level (``build.py``: where it is built, for which ISA, and what happens when a build
+fails or a killed build left its lock).
 
 Where there is no compiler, the build fails, or ``SOFTPRIOR_KERNELS=0``, ``available()`` is False and
 the fast path runs its pure-PyTorch ``_Attention`` (``attention_backend()`` says which: "fused-cpp" or
@@ -23,65 +21,27 @@ the fast path runs its pure-PyTorch ``_Attention`` (``attention_backend()`` says
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import warnings
-from pathlib import Path
 
 import torch
 
-__all__ = ["attention", "available", "attention_backend", "build_error", "ENV"]
+from .build import build_library, one_line, requested_isa
+
+__all__ = ["attention", "available", "attention_backend", "build_error", "isa", "ENV"]
 
 ENV = "SOFTPRIOR_KERNELS"  # "0": never build or use the fused operator (the pure-PyTorch path runs)
-_SOURCE = Path(__file__).with_name("attention.cpp")
-_SOURCES = (_SOURCE, _SOURCE.with_name("step.cpp"))  # one library: the attention operator and the whole step
-_HEADERS = (_SOURCE.with_name("blocks.h"),)
-_state: dict = {"loaded": None, "error": None}  # loaded: None (not tried), True or False
+_state: dict = {"loaded": None, "error": None, "built_for": None}  # loaded: None (not tried), True or False
 
 
 def _disabled() -> bool:
     return os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off")
 
 
-def _cpu_tag() -> str:
-    """A digest of this CPU's model and flags (the build is ``-march=native``)."""
-    text = ""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        text = "\n".join(sorted({ln for ln in lines if ln.startswith(("flags", "model name"))}))
-    except OSError:
-        import platform
-        text = platform.processor() + platform.machine()
-    return hashlib.sha256(text.encode()).hexdigest()[:10]
-
-
-def _source_tag() -> str:
-    """A digest of the sources and the header they share: ``cpp_extension`` rebuilds when a source
-    changes, but not when only an included header does, so the header's edit names a new build."""
-    return hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))).hexdigest()[:10]
-
-
-def _ensure_ninja() -> None:
-    """``cpp_extension.load`` runs ``ninja`` from PATH: where it is not there, the ``ninja`` package's
-    binary (a dependency of softprior) is put at PATH's end."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-            os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + ninja.BIN_DIR
-        except ImportError:
-            pass
-
-
 def _build() -> None:
-    """Compile (or load the cached build of) ``attention.cpp`` and ``step.cpp`` into one library and
-    register the attention operator's autograd."""
-    from torch.utils import cpp_extension
-    _ensure_ninja()
-    cpp_extension.load(name=f"softprior_kernels_{_cpu_tag()}_{_source_tag()}", sources=[str(p) for p in _SOURCES],
-                       extra_cflags=["-O3", "-march=native", "-ffp-contract=fast",
-                                     "-fno-tree-loop-distribute-patterns", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    """Compile (or load the cached build of) the kernels' library (``build.py``) and register the
+    attention operator's autograd."""
+    _state["built_for"] = build_library()
     torch.library.register_autograd("softprior::attention_forward", _backward, setup_context=_setup_context)
     torch.library.register_fake("softprior::attention_forward", _forward_fake)
 
@@ -96,17 +56,10 @@ def available() -> bool:
             _build()
             _state["loaded"] = True
         except Exception as exc:  # no compiler, no ninja, a compile error: the pure-PyTorch path runs
-            _state["loaded"], _state["error"] = False, _one_line(exc)
+            _state["loaded"], _state["error"] = False, one_line(exc)
             warnings.warn(f"softprior: the fused attention operator is unavailable ({_state['error']}); "
                           "the pure-PyTorch attention runs", RuntimeWarning, stacklevel=2)
     return bool(_state["loaded"])
-
-
-def _one_line(exc: Exception) -> str:
-    """An exception as one line: a compiler's first ``error:`` line where the build printed one."""
-    text = str(exc)
-    errors = [ln.strip() for ln in text.splitlines() if "error:" in ln]
-    return f"{type(exc).__name__}: " + (errors[0] if errors else (text.splitlines() or [""])[0])[:300]
 
 
 def attention_backend(build: bool = True) -> str:
@@ -116,6 +69,22 @@ def attention_backend(build: bool = True) -> str:
     if not build and _state["loaded"] is None and not _disabled():
         return "unused"
     return "fused-cpp" if available() else "torch"
+
+
+def isa() -> str:
+    """The vector ISA of this process's numbers: the kernels' build (``build.py``: "avx512", "avx2",
+    "neon" or "generic", with what a fallback build lacks) where they run, and ATen's own kernels
+    ("aten AVX512", ...), which ``ATEN_CPU_CAPABILITY`` chooses. Recorded in every run summary
+    (``provenance``): another ISA rounds otherwise in the last bits."""
+    aten = torch.backends.cpu.get_cpu_capability()
+    if _state["loaded"]:
+        kernels = _state["built_for"]
+    else:
+        try:
+            kernels = f"{requested_isa()} (not built)" if not _disabled() else "off"
+        except ValueError:
+            kernels = "invalid"
+    return f"{kernels}; aten {aten}"
 
 
 def build_error() -> str | None:

@@ -24,10 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from ..model import ModelConfig
 
-__all__ = ["supports", "step_logits", "param_names", "enabled", "used"]
-
-_state = {"used": False}  # whether step_logits has run in this process (provenance records it)
-
+__all__ = ["supports", "why_not", "step_logits", "param_names", "enabled"]
 
 def enabled() -> bool:
     """Whether the whole-step operator may run: the library built and not switched off
@@ -38,16 +35,24 @@ def enabled() -> bool:
     return available()
 
 
-def used() -> bool:
-    """Whether the whole-step operator has run in this process (a run summary records it:
-    ``provenance``, ``step_operator``)."""
-    return _state["used"]
-
-
 def supports(cfg: ModelConfig, tokens: bool, T: int, P: int) -> bool:
     """Whether ``step_logits`` computes this model at context T with P loss positions."""
-    return (tokens and cfg.positional == "none" and cfg.norm == "pre" and getattr(cfg, "prior_family", "soft") == "soft"
-            and cfg.n_layers >= 2 and T <= cfg.n_ctx and 2 * P <= T)
+    return why_not(cfg, tokens, T, P) is None
+
+
+def why_not(cfg: ModelConfig, tokens: bool, T: int, P: int) -> str | None:
+    """Why ``step_logits`` does not compute this model at context T with P loss positions (None: it does)."""
+    family = getattr(cfg, "prior_family", "soft")
+    for bad, why in ((not tokens, "the task's inputs are vectors, not tokens"),
+                     (cfg.positional != "none", f"positional scheme {cfg.positional!r}"),
+                     (cfg.norm != "pre", f"norm {cfg.norm!r} (the operator has pre-LayerNorm)"),
+                     (family != "soft", f"prior family {family!r} (the operator has the soft prior)"),
+                     (cfg.n_layers < 2, f"{cfg.n_layers} layer (the operator needs at least 2)"),
+                     (T > cfg.n_ctx, f"context {T} past the position table's {cfg.n_ctx}"),
+                     (2 * P > T, f"{P} loss positions of {T} (the operator's last layer reads at most half)")):
+        if bad:
+            return why
+    return None
 
 
 @lru_cache(maxsize=None)
@@ -92,7 +97,6 @@ def step_logits(params: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch
     from .attention import available, build_error
     if not available():  # builds the library at the first call (fastpath asks ``enabled()`` first)
         raise RuntimeError(f"softprior step: the kernels' library is unavailable ({build_error() or 'switched off'})")
-    _state["used"] = True
     if tokens.dim() == 2:
         tokens = tokens.unsqueeze(0)
     dtype = params["embed.weight"].dtype
