@@ -336,7 +336,7 @@ def test_readme_summary_says_the_verdicts_in_plain_lists():
     assert "- Training at zero gate from scratch does not learn the task" in nope  # .40 > .15
     partly = md.split("**Partly**")[1].split("\n\n**")[0]
     assert "An abrupt switch when the fade would end keeps much less than the fade (1 of 2 conditions hold; " \
-           "fails: hard_switch1050 zero 0.100 >= 0.150)" in partly
+           "fails: hard_switch1050 zero needs >= 0.150, got 0.100)" in partly
     assert f"**Does not hold here** (1 of {len(CLAIMS)} claims)" in md
     assert f"**Not measured yet** ({len(CLAIMS) - 3} of {len(CLAIMS)} claims)" in md  # the cells not in the tables
     assert md.rstrip().endswith("[`docs/RESULTS.md`](docs/RESULTS.md#verdicts).")

@@ -194,3 +194,44 @@ def test_study_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and "unknown task 'sorting'" in err[0] and "unknown prior 'nope'" in err[1]
     assert "missing.py" in err[2] and "does not exist" in err[2]
+
+
+def _study_table(unforced_normal: list[float]) -> dict:
+    """A study's table: unforced at ``unforced_normal``, every other cell at chance (.167 of a .781 ceiling)."""
+    rows = {"unforced": {"normal": unforced_normal, "zero": [0.10, 0.11, 0.09]}}
+    for path in ("forced_zero", "fade600", "linear0.5->0", "forced_const0.5", "hard_switch1050", "hard_switch600",
+                 "posthoc"):
+        rows[path] = {"normal": [0.16, 0.17, 0.18], "zero": [0.16, 0.17, 0.18]}
+    t = {}
+    for path, cols in rows.items():
+        for col, vs in cols.items():
+            t[(path, col)] = sum(vs) / len(vs)
+            t[(path, col, "values")] = vs
+            t[(path, col, "n")] = len(vs)
+    return {"study": t}
+
+
+def test_claims_about_what_training_keeps_are_not_applicable_where_the_model_did_not_learn():
+    """A quick study whose models learned nothing read "reproduced" on claims such as "post hoc
+    continuation does not recover" (it cannot recover what was never learned): those claims now
+    read "not applicable"; where the unforced model learned, they are decided as before."""
+    from softprior.claims import NOT_APPLICABLE, verdicts
+    from softprior.study import study_claims
+    claims = study_claims("acc", 1 / 6, 0.781)
+    keeps = {"unforced relies", "fade keeps", "linear anneal", "late hard switch", "early hard switch", "posthoc fails"}
+    unlearned = {cl.name: v for cl, v, _ in verdicts(_study_table([0.01, 0.0, 0.015]), claims)}
+    assert {n for n, v in unlearned.items() if v == NOT_APPLICABLE} == keeps
+    assert unlearned["prior helps"].startswith("partly")  # the learning claim itself is decided (forced_zero holds)
+    learned = {cl.name: v for cl, v, _ in verdicts(_study_table([0.78, 0.77, 0.79]), claims)}
+    assert NOT_APPLICABLE not in learned.values()
+    assert learned["posthoc fails"] == "reproduced" and learned["fade keeps"] == "not reproduced"
+
+
+def test_an_interval_of_equal_seeds_says_it_has_no_spread():
+    from softprior.claims import Cond
+    t = {"x": {("a", "zero"): 0.082, ("a", "zero", "values"): [0.082, 0.082], ("a", "zero", "n"): 2,
+               ("b", "zero"): 0.1, ("b", "zero", "values"): [0.09, 0.11], ("b", "zero", "n"): 2}}
+    _, text = Cond("x", "a", "zero", "<=", 0.15).measure(t)
+    assert "no spread: every seed gave 0.082" in text and "CI [0.082, 0.082]" not in text
+    _, text = Cond("x", "b", "zero", "<=", 0.15).measure(t)
+    assert "two seeds: a wide interval" in text

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 __all__ = ["CONFIDENCE", "HIGH", "Cond", "PaperClaim", "CLAIMS", "mean_interval", "sd_interval",
            "difference_interval", "verdict_of", "verdicts", "claims_spec", "claims_for_task", "task_of", "changed_claims",
-           "REFUSED"]
+           "REFUSED", "NOT_APPLICABLE", "LEARNED"]
 
 CONFIDENCE = 0.95  # two-sided level of every verdict's interval
 
@@ -167,7 +167,10 @@ class Cond:
         n = "n=" + "/".join(str(k) for k in e["n"]) if e["n"] else "n=?"
         if e["point"]:
             return f"point value, no interval, {n}"
-        return f"{int(CONFIDENCE * 100)}% CI [{e['lo']:.3f}, {e['hi']:.3f}], {n}"
+        if e["lo"] == e["hi"]:  # every seed gave the same value: there is no spread to form an interval from
+            return f"no spread: every seed gave {e['lo']:.3f}, no interval, {n}"
+        few = ", two seeds: a wide interval" if e["n"] and max(e["n"]) == 2 else ""
+        return f"{int(CONFIDENCE * 100)}% CI [{e['lo']:.3f}, {e['hi']:.3f}], {n}{few}"
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,10 @@ class PaperClaim:
     conditions: tuple[Cond, ...]
     map: bool = False
     valid_if: tuple[Cond, ...] = ()  # preconditions of a measurement (e.g. the tangents converged)
+    # the claim is about what a trained model keeps or relies on: it applies only where the model learned
+    # the task with its prior (these conditions; a failed one reads NOT_APPLICABLE). A reading rule, not a
+    # predicate: it withholds a verdict and moves no threshold, so it is not part of ``claims_spec``
+    learned: tuple[Cond, ...] = ()
 
     @property
     def task(self) -> str:
@@ -230,8 +237,18 @@ def _c(exp, row, col, op, value=0.0, other=None, stat="mean", scale="absolute"):
 # for the first declaration's .5 and -.26 x ceiling for its -.2 margin. Thresholds near chance
 # (.15, .2, .3) do not scale: chance does not move with the ceiling.
 HIGH = 0.77
+# "The model learned the task with its prior": unforced normal at least half the ceiling (chance is .167
+# of a .781 ceiling on associative recall), the precondition of a claim about what training keeps
+LEARNED = 0.5
 _FADES = [f"fade{s}" for s in (400, 500, 600, 700, 800)]
-_SHAPES = ["fade600"] + [f"fade600->0:{s}" for s in ("cosine", "convex", "concave", "two_step")]
+
+
+def _learned(experiment: str = "removability", column: str = "normal") -> tuple[Cond, ...]:
+    return (Cond(experiment, "unforced", column, ">=", LEARNED, scale="ceiling"),)
+
+
+_MARKOV_LEARNED = tuple(c for p in (0.2, 0.5, 0.8) for c in _learned("markov_paths", f"p={p} normal"))
+_SMOOTH = ["fade600"] + [f"fade600->0:{s}" for s in ("cosine", "convex")]  # fade600: the linear shape
 CLAIMS: list[PaperClaim] = [
     PaperClaim("difficulty", "Difficulty rows (the calibration targets): unforced is learned with the prior and "
                "collapses without it; forced_zero stays near chance", "unforced .780±.007 / .100, forced_zero .094",
@@ -240,33 +257,44 @@ CLAIMS: list[PaperClaim] = [
                 _c("removability", "unforced", "zero", "<=", 0.15), _c("removability", "forced_zero", "zero", "<=", 0.15))),
     PaperClaim("unforced relies", "Unforced models rely on the prior: high normal, chance at zero gate",
                "Table 2: .772 normal / .095 zero", (_c("causal_controls", "unforced", "normal", ">=", 0.64, scale="ceiling"),
-                                                   _c("causal_controls", "unforced", "zero", "<=", 0.15)), map=True),
+                                                   _c("causal_controls", "unforced", "zero", "<=", 0.15)), map=True,
+               learned=_learned("causal_controls")),
     PaperClaim("fade keeps (base)", "A smooth fade to zero (fade600->0) keeps zero-gate accuracy high, base model",
-               "zero .734", (_c("removability", "fade600", "zero", ">=", HIGH, scale="ceiling"),), map=True),
+               "zero .734", (_c("removability", "fade600", "zero", ">=", HIGH, scale="ceiling"),), map=True,
+               learned=_learned()),
     PaperClaim("fade keeps (large)", "The same on the large model", "zero .731",
-               (_c("paths", "fade600", "large zero", ">=", HIGH, scale="ceiling"),)),
+               (_c("paths", "fade600", "large zero", ">=", HIGH, scale="ceiling"),), learned=_learned("paths", "large normal")),
     PaperClaim("forced_zero fails", "Training at zero gate from scratch does not learn the task",
                "zero .091", (_c("causal_controls", "forced_zero", "zero", "<=", 0.15),), map=True),
     PaperClaim("hard switch 1050", "An abrupt switch when the fade would end keeps much less than the fade",
                ".293 vs .734", (_c("causal_controls", "hard_switch1050", "zero", "<=", -0.26, ("fade600", "zero"), scale="ceiling"),
-                                _c("causal_controls", "hard_switch1050", "zero", ">=", 0.15)), map=True),
+                                _c("causal_controls", "hard_switch1050", "zero", ">=", 0.15)), map=True,
+               learned=_learned("causal_controls")),
     PaperClaim("hard switch 600", "An abrupt switch when the fade would start keeps nothing", ".097",
-               (_c("causal_controls", "hard_switch600", "zero", "<=", 0.15),)),
+               (_c("causal_controls", "hard_switch600", "zero", "<=", 0.15),), learned=_learned("causal_controls")),
     PaperClaim("posthoc fails", "Post hoc zero-gate continuation of an unforced model does not recover",
-               ".178 zero / .619 normal", (_c("causal_controls", "posthoc", "zero", "<=", 0.3),), map=True),
+               ".178 zero / .619 normal", (_c("causal_controls", "posthoc", "zero", "<=", 0.3),), map=True,
+               learned=_learned("causal_controls")),
     PaperClaim("linear anneal", "A linear anneal 0.5->0 keeps much of the circuit, base model",
-               ".617 zero / .792 normal", (_c("paths", "linear0.5->0", "base zero", ">=", 0.64, scale="ceiling"),), map=True),
+               ".617 zero / .792 normal", (_c("paths", "linear0.5->0", "base zero", ">=", 0.64, scale="ceiling"),), map=True,
+               learned=_learned("paths", "base normal")),
     PaperClaim("constant prior", "A constant prior (0.5) gives a prior-dependent model that is weak even with "
                "the prior", ".114 zero / .164 normal", (_c("paths", "forced_const0.5", "base zero", "<=", 0.2),
                                                          _c("paths", "forced_const0.5", "base normal", "<=", 0.3))),
     PaperClaim("fade window", "The effect holds for fade starts 400-800", "not stated numerically",
-               tuple(_c("fade_window", f, "zero", ">=", HIGH, scale="ceiling") for f in _FADES)),
-    PaperClaim("fade shapes", "The effect holds for smooth fade shapes", "not stated numerically",
-               tuple(_c("fade_shapes", f, "zero", ">=", HIGH, scale="ceiling") for f in _SHAPES)),
+               tuple(_c("fade_window", f, "zero", ">=", HIGH, scale="ceiling") for f in _FADES), learned=_learned()),
+    # Sec. 7.2: linear, cosine and convex keep the circuit; the two-step schedule is the negative
+    # control and keeps much less (the margin of the late hard switch); concave is unstable across
+    # seeds there, so it is reported (fade_shapes' table), not required
+    PaperClaim("fade shapes", "The effect holds for smooth fade shapes (linear, cosine, convex), and the two-step "
+               "schedule keeps much less (Sec. 7.2)", "not stated numerically",
+               (*(_c("fade_shapes", f, "zero", ">=", HIGH, scale="ceiling") for f in _SMOOTH),
+                _c("fade_shapes", "fade600->0:two_step", "zero", "<=", -0.26, ("fade600", "zero"), scale="ceiling")),
+               learned=_learned()),
     PaperClaim("markov", "Markov induction shows the same pattern: the fade keeps a zero-gate circuit that "
                "forced_zero lacks, at every p", "not stated numerically",
                tuple(_c("markov_paths", "fade600", f"p={p} zero", ">=", 0.1, ("forced_zero", f"p={p} zero"))
-                     for p in (0.2, 0.5, 0.8)), map=True),
+                     for p in (0.2, 0.5, 0.8)), map=True, learned=_MARKOV_LEARNED),
     PaperClaim("recovery signal", "Continuation view (Sec. 3.3): the zero-gate gradient's share on the circuit at "
                "the removal of the prior is larger on the paths whose zero-gate circuit later forms (rank correlation "
                "over the five associative-recall paths)", "qualitative",
@@ -308,6 +336,7 @@ def verdict_of(outcomes: list) -> str:
 
 
 REFUSED = "refused: its predicates changed since they were registered"
+NOT_APPLICABLE = "not applicable: the model did not learn"
 
 
 def verdicts(tables, claims=None, changed: dict[str, list[str]] | None = None) -> list[tuple[PaperClaim, str, list[str]]]:
@@ -321,6 +350,11 @@ def verdicts(tables, claims=None, changed: dict[str, list[str]] | None = None) -
     for cl in (CLAIMS if claims is None else claims):
         if changed and changed.get(cl.name):
             out.append((cl, REFUSED, list(changed[cl.name])))
+            continue
+        learned = [c.measure(tables) for c in cl.learned]
+        unlearned = [txt for ok, txt in learned if ok is False]
+        if unlearned:
+            out.append((cl, NOT_APPLICABLE, [f"precondition ✗ {txt}" for txt in unlearned]))
             continue
         res = [c.measure(tables) for c in cl.conditions]
         v = verdict_of([ok for ok, _ in res])

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .claims import (CLAIMS, CONFIDENCE, HIGH, Cond, PaperClaim, claims_spec, difference_interval,  # noqa: F401
-                     mean_interval, sd_interval, verdict_of, verdicts)
+                     mean_interval, sd_interval, verdict_of, verdicts, NOT_APPLICABLE)
 
 __all__ = ["PAPER", "OURS", "Cond", "PaperClaim", "CLAIMS", "verdicts", "verdict_of", "claims_spec", "mean_interval",
            "difference_interval", "sd_interval", "verdict_table", "verdict_summary", "write_results_doc", "formation_summary",
@@ -112,19 +112,20 @@ def verdict_table(tables, results_dir: str | Path | None = None) -> str:
 
 # the README's plain lists, in this order: a verdict's first word -> its heading
 _PLAIN = (("reproduced", "**Holds here**"), ("not", "**Does not hold here**"),
-          ("partly", "**Partly**"), ("inconclusive", "**Undecided**"))
+          ("partly", "**Partly**"), ("inconclusive", "**Undecided**"),
+          ("not applicable", "**Not applicable** (the model never learned what the claim asks it to keep)"))
 
 
 def _failed(cl: PaperClaim, tables) -> list[str]:
     """The conditions of ``cl`` that fail on ``tables``, each as its cells, its estimate and threshold
-    ("unforced normal std 0.204 <= 0.050")."""
+    ("unforced normal std needs <= 0.050, got 0.204")."""
     out = []
     for c in cl.conditions:
         e = c.evaluate(tables)
         if e is not None and e["ok"] is False:
             what = f"{c.row} {c.column}" + (f" {c.stat}" if c.stat != "mean" else "") + \
                 (f" - {c.other[0]} {c.other[1]}" if c.other else "")
-            out.append(f"{what} {e['est']:.3f} {c.op} {e['thr']:.3f}")
+            out.append(f"{what} needs {c.op} {e['thr']:.3f}, got {e['est']:.3f}")
     return out
 
 
@@ -138,7 +139,11 @@ def verdict_summary(tables, results_doc: str = "docs/RESULTS.md") -> str:
         detail = f" ({v.split('(', 1)[1]}" if word in ("partly", "inconclusive") and "(" in v else ""
         if word == "partly":
             detail = detail[:-1] + "; fails: " + "; ".join(_failed(cl, tables)) + ")"
-        groups.setdefault(word if word != "not" or v == "not reproduced" else "not measured", []).append(
+        if v == NOT_APPLICABLE:
+            word = "not applicable"
+        elif word == "not" and v != "not reproduced":
+            word = "not measured"
+        groups.setdefault(word, []).append(
             f"- {cl.statement}{detail}")
     out = []
     for word, head in _PLAIN + (("not measured", "**Not measured yet**"),):

@@ -9,9 +9,11 @@ import math
 import os
 from pathlib import Path
 
+from .claims import NOT_APPLICABLE
+
 __all__ = ["write_report"]
 
-_MARK = {"reproduced": "y", "not reproduced": "n", "not measured": "?"}
+_MARK = {"reproduced": "y", "not reproduced": "n", "not measured": "?", NOT_APPLICABLE: "-"}
 
 
 def _ms(v: list[float]) -> str:
@@ -49,7 +51,7 @@ def _map_table(claims, chosen, main, others: dict) -> str:
     for i, cl in enumerate(claims):
         vs = [(c, res[i][1]) for c, res in per]
         yes = sum(v == "reproduced" for _, v in vs)
-        tot = sum(v != "not measured" for _, v in vs)
+        tot = sum(v not in ("not measured", NOT_APPLICABLE) for _, v in vs)
         marks = ", ".join(f"{c.cid}:{_MARK.get(v, '~' if v.startswith('inconclusive') else 'n')}" for c, v in vs)
         head.append(f"| {cl.name} | {yes} | {tot} | {marks} |")
     return "\n".join(head)
@@ -156,7 +158,8 @@ def write_report(plan, store, space, cands, rec, chosen, claims, levels, main_ro
           "## Verdicts", "", _verdict_table(main), "",
           "y / reproduced: every condition's 95% interval over the seeds lies on its side of the threshold; "
           "not reproduced: every one on the other side; inconclusive: an interval straddles a threshold "
-          "(one seed gives no interval). Thresholds are levels of the span from chance to the ceiling "
+          "(one seed gives no interval); not applicable (-): the unforced model did not learn the task, so a "
+          "claim about what training keeps says nothing. Thresholds are levels of the span from chance to the ceiling "
           "(`softprior.study.study_claims`).", "",
           "## 1. The difficulty search", "",
           "Criteria (the only calibration targets):", "",

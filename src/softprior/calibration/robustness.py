@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 
-from ..claims import claims_for_task, verdicts
+from ..claims import NOT_APPLICABLE, claims_for_task, verdicts
 from .criteria import Row, difficulty_rows
 from ..store.record_clock import store_records
 from .search import candidate_configs, ceiling
@@ -165,7 +165,7 @@ def claim_counts(space, store, cands, steps: int | None = None):
         res = []
         for c, vs in per:
             v = vs[cl.name]
-            res.append((c, None if v == "not measured" else True if v == "reproduced"
+            res.append((c, None if v in ("not measured", NOT_APPLICABLE) else True if v == "reproduced"
                         else "inconclusive" if v.startswith("inconclusive") else False))
         out.append((cl, sum(r is True for _, r in res), sum(r is not None for _, r in res), res))
     return out
