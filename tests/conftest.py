@@ -15,6 +15,30 @@ from softprior.store import RunStore
 
 torch.set_num_threads(1)
 
+# The quick subset: ``python -m pytest`` (no files named) skips the tests marked slow, or whose module
+# is in SLOW_MODULES (each over a few seconds: digests of every preset and path, subprocess builds,
+# notebooks, whole sweeps and reports); ``--full`` (CI) runs every test. Naming files or tests runs
+# them all. The README states both durations.
+SLOW_MODULES = {"test_bit_identity.py", "test_tour.py", "test_kernels_build.py", "test_cli_fuzz.py"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="run every test (CI does); without it and without "
+                     "named files, the quick subset (tests/conftest.py)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of the quick subset (run with --full)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full") or config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    skip = pytest.mark.skip(reason="slow: in the full suite (python -m pytest --full)")
+    for item in items:
+        if item.get_closest_marker("slow") is not None or item.path.name in SLOW_MODULES:
+            item.add_marker(skip)
+
 TINY = dict(steps=20, eval_every=10, n_val=64, batch_size=16)
 
 

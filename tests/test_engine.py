@@ -1,11 +1,9 @@
 """The fast paths against the readable definitions: grouped training equals single runs, and our
-model equals the plain reference model (benchmarks/reference.py) in logits and gradients."""
+model equals the plain reference model (softprior/reference.py) in logits and gradients."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +15,8 @@ from conftest import tiny_config
 
 
 def _load_reference():
-    f = Path(__file__).resolve().parents[1] / "benchmarks" / "reference.py"
-    spec = importlib.util.spec_from_file_location("reference_model", f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from softprior import reference
+    return reference
 
 
 def test_runs_trained_in_a_group_match_runs_trained_alone():

@@ -3,7 +3,7 @@
 Reports the fp32 GEMM rate measured now, the model FLOPs per training step counted from the
 shapes, ms per step of a single base run (and its model-FLOP utilisation, achieved / GEMM), ms per
 run-step when K runs train together (``engine.train_group``), and the same for the plain nn.Module
-reference in ``benchmarks/reference.py`` (measured alternately with ours, so machine noise hits both), and
+reference in ``softprior/reference.py`` (measured alternately with ours, so machine noise hits both), and
 the fused operators (``kernels/``: the whole step and the attention) against the engine with the
 attention operator alone, without either, and the reference, for both presets, K = 1 and 8, 1 and 2 threads (``engine_table``; alone: ``--engines-only``).
 A benchmark, not a test: the numbers go to stdout, never into assertions.
@@ -378,7 +378,7 @@ def engine_table(ref_mod, models=("base", "large"), ks=(1, 8), thread_counts=(1,
                  log=print) -> dict:
     """The fused engine (the whole-step operator where it applies, the attention operator elsewhere)
     against the attention operator alone, the engine without either (the pure-PyTorch path,
-    ``fastpath._Attention``) and the plain reference (``benchmarks/reference.py`` at the same size), per
+    ``fastpath._Attention``) and the plain reference (``softprior/reference.py`` at the same size), per
     model preset, thread count and K: ms per run-step of one training step (``train.Runs.step`` over K
     associative-recall runs; the reference trains one run, and K sequential runs cost K times one), the
     four alternating so that machine noise hits all, medians of ``reps`` samples; and the fused step's
@@ -485,23 +485,52 @@ def _attention_label() -> str:
             else f"{b} (the fused operators did not build: {build_error() or 'switched off'})")
 
 
-def run_engines(quick: bool = False, log=print) -> dict:
-    """Only ``engine_table`` (``softprior bench --engines-only``), after ``runtime.prepare_training()``."""
+# a process run as an AVX2 machine: the kernels built for x86-64-v3, ATen's kernels and MKL's restricted to AVX2
+AVX2_ENV = {"SOFTPRIOR_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+_TWIN_ENV = "SOFTPRIOR_BENCH_TWIN"  # set in the twin's own process: it times its ISA alone
+
+
+def twin_isas() -> list[str]:
+    """The ISAs ``run_engines`` times beside the native one: AVX2 on an AVX-512 host (an AVX2 build runs
+    there), so every figure has its AVX2 twin from one machine; none elsewhere, or inside a twin."""
+    import os
+
+    from .kernels.build import native_isa
+    if os.environ.get(_TWIN_ENV) or os.environ.get("SOFTPRIOR_ISA", "native") not in ("", "native"):
+        return []
+    return ["avx2"] if native_isa() == "avx512" else []
+
+
+def run_engines(quick: bool = False, log=print, twins: bool = True) -> dict:
+    """Only ``engine_table`` (``softprior bench --engines-only``), after ``runtime.prepare_training()``;
+    then the same table for each ISA of ``twin_isas()`` in a fresh process (``AVX2_ENV``: its kernels,
+    ATen's and MKL's held to that ISA), under ``isas``. ``isa``: what the native table ran on."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .kernels import isa
     from .runtime import prepare_training
     settings = prepare_training()
     log(f"attention kernel: {_attention_label()}")
-    return {**engine_table(_load_reference(), quick=quick, log=log), **settings}
+    out = {**engine_table(_load_reference(), quick=quick, log=log), **settings, "isa": isa()}
+    for name in (twin_isas() if twins else []):
+        log(f"the same table as an {name.upper()} machine (a fresh process: {AVX2_ENV})")
+        cmd = [sys.executable, "-c", "import sys; from softprior.cli import main; sys.exit(main(sys.argv[1:]))",
+               "bench", "--engines-only", "--json", *(["--quick"] if quick else [])]
+        res = subprocess.run(cmd, env={**os.environ, **AVX2_ENV, _TWIN_ENV: "1"}, capture_output=True, text=True)
+        for line in res.stderr.splitlines():
+            log(f"  [{name}] {line}")
+        if res.returncode != 0:
+            out.setdefault("isas", {})[name] = {"error": (res.stderr.strip().splitlines() or ["?"])[-1]}
+            continue
+        out.setdefault("isas", {})[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
 
 
 def _load_reference():
-    """benchmarks/reference.py of the source checkout (the package is installed editable)."""
-    import importlib.util
-    from pathlib import Path
-    f = Path(__file__).resolve().parents[2] / "benchmarks" / "reference.py"
-    if not f.exists():
-        raise RuntimeError(f"the plain reference model {f} is missing: run bench from a source checkout "
-                           "(pip install -e .)")
-    spec = importlib.util.spec_from_file_location("softprior_bench_reference", f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The plain reference model (``softprior.reference``: shipped in the package, so the bench runs from a
+    wheel as from a checkout)."""
+    from . import reference
+    return reference
