@@ -93,6 +93,9 @@ class VerifyReport:
     rebuilt: int | None = None  # runs indexed again after an index rebuild
     read_only: bool = False  # the store's directory cannot be written (verified all the same; no --repair)
     claims_changed: list[str] = field(default_factory=list)  # "FILE: claim: change" (claims.changed_claims)
+    # the same for the package's shipped records: the package's declaration moved after they registered it.
+    # Reported (their verdicts are refused in every table), but nothing in the store is wrong: not unhealthy
+    shipped_claims_changed: list[str] = field(default_factory=list)
 
     @property
     def damaged_runs(self) -> list[str]:
@@ -127,6 +130,12 @@ class VerifyReport:
             elif bad or (self.problems and not self.refused_records):
                 out.append(f"{where}: {len(bad)} damaged run(s) ({', '.join(bad)}); the other {self.runs - len(bad)} "
                            "finished runs are intact" + ("" if repaired else fix + "re-queues only the damaged runs"))
+        if self.shipped_claims_changed:  # one line: the package's matter, not the store's
+            names = sorted({c.split(": ")[1] for c in self.shipped_claims_changed})
+            files = sorted({c.split(": ")[0].rsplit("/", 1)[-1] for c in self.shipped_claims_changed})
+            out.append(f"note: the package's declaration changed {len(names)} claim(s) since its shipped records "
+                       f"registered them ({', '.join(names)}; records {', '.join(files)}): those verdicts on those "
+                       "records are refused in every table; the store is not affected")
         if self.refused_records:
             out.append(f"{where}: {len(self.refused_records)} calibration record(s) refused "
                        f"({', '.join(self.refused_records)})" + ("" if self.records_moved or self.rebuilt is not None
@@ -413,8 +422,8 @@ def _record_problems(root: Path, done: dict, clock: dict[str, float], report: Ve
             continue
         valid.setdefault(rec["hash"], rec)
         dated.append((rel, rec))
-        report.claims_changed += [f"{rel}: {name}: {line}" for name, lines in
-                                  changed_claims(rec.get("claims", [])).items() for line in lines]
+        (report.claims_changed if in_store else report.shipped_claims_changed).extend(
+            f"{rel}: {name}: {line}" for name, lines in changed_claims(rec.get("claims", [])).items() for line in lines)
         if in_store:
             early = rows_started_before(done.values(), rec, clock.get(rec["hash"]))
             if early:
