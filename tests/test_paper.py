@@ -369,7 +369,8 @@ def test_readme_first_screen():
     assert f"sqrt(.78 x .22 / 512) = {se:.3f}".replace("0.", ".") in main
     ceiling = float(t.loc[("unforced", "normal"), "ceiling"])
     top = max(float(v) for v in t.loc[("unforced", "normal"), "values"].split(";")[:3])
-    assert f"so .{round(top * 1000)} is {(top - ceiling) / se:.1f} standard errors above .{round(ceiling * 1000)}" in main
+    side = "above" if top > ceiling else "below"
+    assert f"so .{round(top * 1000)} is {abs(top - ceiling) / se:.1f} standard errors {side} .{round(ceiling * 1000)}" in " ".join(main.split())
 
 
 def test_identification_table_sets_each_static_row_beside_its_cell():
