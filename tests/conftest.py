@@ -20,6 +20,19 @@ torch.set_num_threads(1)
 # notebooks, whole sweeps and reports); ``--full`` (CI) runs every test. Naming files or tests runs
 # them all. The README states both durations.
 SLOW_MODULES = {"test_bit_identity.py", "test_tour.py", "test_kernels_build.py", "test_cli_fuzz.py"}
+SLOW_TESTS = {  # over 5 s each (pytest --durations): killed and resumed sweeps, Ray, whole searches and reports
+    "test_reproduce_survives_sigkill_and_resumes_only_missing_runs", "test_single_run_killed_mid_training_resumes_bit_identically",
+    "test_two_concurrent_reproduce_processes_share_one_store", "test_a_local_sweep_survives_a_pool_worker_killed_mid_group",
+    "test_ray_executor_gives_the_same_table_as_local", "test_a_ray_sweep_survives_a_worker_killed_mid_group",
+    "test_a_signal_to_the_driver_alone_stops_the_workers_and_keeps_finished_runs",
+    "test_a_killed_sweep_resumes_its_group_from_the_checkpoint",
+    "test_committed_documents_equal_what_the_committed_bundle_regenerates",
+    "test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store",
+    "test_identification_search_registers_its_set_on_five_seeds_and_covers_only_it",
+    "test_an_effect_search_measures_the_trajectory_effect_in_its_own_store_and_shows_its_largest",
+    "test_search_killed_and_resumed_gives_the_same_table", "test_bench_json_reports_the_issue_figures",
+    "test_continuation_trace_experiment_end_to_end", "test_tuned_allocator_removes_page_faults_per_step",
+}
 
 
 def pytest_addoption(parser):
@@ -36,7 +49,8 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="slow: in the full suite (python -m pytest --full)")
     for item in items:
-        if item.get_closest_marker("slow") is not None or item.path.name in SLOW_MODULES:
+        if item.get_closest_marker("slow") is not None or item.path.name in SLOW_MODULES or \
+                item.originalname in SLOW_TESTS:
             item.add_marker(skip)
 
 TINY = dict(steps=20, eval_every=10, n_val=64, batch_size=16)
