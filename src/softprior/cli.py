@@ -26,15 +26,21 @@ class CliError(Exception):
     """Bad input found by the command line itself (exit code 2)."""
 
 
-def _at_least_one(text: str) -> int:
-    """An argparse type: a whole number >= 1 (``--workers``), refused in one line before anything runs."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def _whole_number(least: int):
+    """An argparse type: a whole number >= ``least``, refused in one line before anything runs."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {n}")
+        return n
+    return parse
+
+
+_at_least_one = _whole_number(1)  # --workers
+_nonneg_int = _whole_number(0)
 
 
 def _one_line(msg: str) -> str:
@@ -510,15 +516,6 @@ def _refuse_dirty_training(cfgs, store, exploratory: bool) -> None:
                        "be trained from a dirty tree, which no table accepts unless it is marked exploratory; "
                        "commit first, or pass --exploratory")
 
-
-def _nonneg_int(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {v!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {n}")
-    return n
 
 
 def _group_arg(v: str) -> int | str:
