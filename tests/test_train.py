@@ -416,3 +416,20 @@ def test_ctrl_c_writes_a_checkpoint_says_where_and_the_run_resumes_from_it(tmp_p
     assert "resumed_at" not in whole and whole["normal_acc"] == resumed["normal_acc"]
     (_, a), (_, b) = RunStore(store).load_model(rid), RunStore(tmp_path / "t").load_model(rid)
     assert state_dicts_equal(a.state_dict(), b.state_dict())
+
+
+def test_a_float64_groups_forced_gates_stay_float64():
+    """A forced gate value enters a float64 group as float64 (it was made float32 first, so 0.1 became
+    0.100000001490116: a float64 run's gates differed from the value its path names)."""
+    import importlib
+
+    import torch
+
+    from conftest import tiny_config
+    T = importlib.import_module("softprior.train")
+    runs = T.Runs([tiny_config(path="unforced", seed=0), tiny_config(path="forced_zero", seed=1)])
+    L, H = runs._LH
+    own = torch.full((2, L, H), 0.3, dtype=torch.float64)
+    g = runs._gate_tensor([(None, None), (0.1, 0.1)], 0, own)
+    assert g.dtype == torch.float64
+    assert torch.equal(g[0], own[0]) and torch.equal(g[1], torch.full((L, H), 0.1, dtype=torch.float64))
