@@ -35,6 +35,7 @@ import torch
 from softprior import kernels
 from softprior.config import make_run_config
 from softprior.engine import train_group
+from softprior.bench import AVX2_ENV  # the process env of an AVX2 machine on an AVX-512 host
 from softprior.train import train
 
 SIGNATURE = ("2.13.0+cpu", "AVX512", "x86_64", "no AMX")  # the machine ``SINGLE`` was recorded on
@@ -213,7 +214,6 @@ FUSED = {
 }
 
 SIGNATURE_AVX2 = ("2.13.0+cpu", "AVX2", "x86_64", "no AMX")
-AVX2_ENV = {"SOFTPRIOR_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 FUSED_AVX2 = {
     "single/base/assoc_recall/dual_loss": "628bfaf0e4769842",
     "single/base/assoc_recall/linear0.5->0": "f4104dd125062af7",

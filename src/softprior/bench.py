@@ -495,8 +495,8 @@ def twin_isas() -> list[str]:
     there), so every figure has its AVX2 twin from one machine; none elsewhere, or inside a twin."""
     import os
 
-    from .kernels.build import native_isa
-    if os.environ.get(_TWIN_ENV) or os.environ.get("SOFTPRIOR_ISA", "native") not in ("", "native"):
+    from .kernels.build import ISA_ENV, native_isa
+    if os.environ.get(_TWIN_ENV) or os.environ.get(ISA_ENV, "native").strip().lower() not in ("", "native"):
         return []
     return ["avx2"] if native_isa() == "avx512" else []
 

@@ -179,8 +179,8 @@ def build_library() -> str:
     from torch.utils import cpp_extension
     _ensure_ninja()
     isa = requested_isa()
-    error = None
-    for i, (variant, cflags, ldflags) in enumerate(_attempts(isa)):
+    error, attempts = None, _attempts(isa)
+    for i, (variant, cflags, ldflags) in enumerate(attempts):
         name = _library_name(isa, variant)
         directory = build_dir(name)
         with _locked(directory):
@@ -194,7 +194,7 @@ def build_library() -> str:
                                    build_directory=str(directory), is_python_module=False, verbose=False)
             except Exception as exc:  # a compile or link error: the next attempt drops a flag
                 error = exc
-                if i + 1 < len(_attempts(isa)):
+                if i + 1 < len(attempts):
                     print(f"softprior: the kernels' build failed ({one_line(exc)}); trying again "
                           f"{'without OpenMP' if i == 0 else 'for the default target'}", file=sys.stderr, flush=True)
                 continue
