@@ -154,16 +154,19 @@ PAPER_ACCURACY: dict[str, list[tuple[Row, float]]] = {
 }
 
 
-def identification_criteria(task: str) -> list[Criterion]:
-    """The identification search's criteria (``tiers.py``): the per-seed difficulty criteria as hard
-    constraints, then every identification row measured on each base candidate (``PaperRow.search``)
-    as a target whose gap is its distance in units of the row's scale; it holds within ``MATCH_Z``."""
+def identification_criteria(task: str, model: str = "base", hard: list | None = None) -> list[Criterion]:
+    """The identification search's criteria (``tiers.py``): hard constraints (``hard``, a regime's own;
+    default the task's per-seed difficulty criteria), then every identification row measured on each
+    candidate of that size (``PaperRow.search``) as a target whose gap is its distance in units of the
+    row's scale; it holds within ``MATCH_Z``. A size's rows are its own (Table 1's large column for a large
+    search); the task's own identification criteria are declared for the base size."""
     from ..tiers import MATCH_Z, rows_for
     from ..task_configs import task_spec
-    hard = [c for c in declared_criteria(task) if c.stat == "each"]
+    hard = [c for c in declared_criteria(task) if c.stat == "each"] if hard is None else list(hard)
     own = [c if isinstance(c, Criterion) else Criterion.model_validate(c) for c in task_spec(task).identification]
-    return hard + own + [Criterion(name=r.name, row=_row(r.source), gates=r.read, target=r.paper,
-                                   tol=MATCH_Z * r.scale, scale=r.scale) for r in rows_for(task, search_only=True)]
+    return hard + (own if model == "base" else []) + [
+        Criterion(name=r.name, row=_row(r.source), gates=r.read, target=r.paper, tol=MATCH_Z * r.scale, scale=r.scale)
+        for r in rows_for(task, search_only=True) if r.model == model]
 
 
 def effect_criteria(task: str) -> list[Criterion]:

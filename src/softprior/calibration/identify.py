@@ -20,11 +20,11 @@ import math
 
 from ..tiers import MATCH_Z, rows_for
 from .search import REGISTER_SEEDS, completed_file, with_completed
+from .space import MIN_SET
 
 __all__ = ["MIN_SET", "REGISTER_SEEDS", "row_values", "matched_rows", "hard_ok", "identified", "identified_at",
            "identified_set", "identification_block", "complete", "length_reading", "member_table", "results_section", "with_completed", "member_entry", "conflicts"]
 
-MIN_SET = 10
 
 
 def _crit(space):
@@ -71,8 +71,10 @@ def seeds_held(space, cand) -> float:
     return sum(all(c.check([v[i]]).ok for c, v in zip(hard, per)) for i in range(n)) / n
 
 
-def identified(space, cands, k: int = MIN_SET) -> list:
-    """The identified set (module docstring), best first: candidates measured on every seed only."""
+def identified(space, cands, k: int | None = None) -> list:
+    """The identified set (module docstring), best first: candidates measured on every seed only; ``k``
+    (default the space's ``min_set``, ``MIN_SET`` unless it says) is the least it holds."""
+    k = space.min_set if k is None else k
     full = [c for c in cands if c.n_seeds >= space.seeds and c.status in ("passes", "fails")]
     ranked = sorted(full, key=lambda c: _rank(space, c))
     passing = [c for c in ranked if hard_ok(space, c) and all(matched_rows(space, c).values())]
@@ -148,7 +150,7 @@ def conflicts(space, cands) -> list[tuple[str, str, int, int, int]]:
     return out
 
 
-def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **execute_kw) -> list:
+def complete(space, store, cands, *, k: int | None = None, steps=None, log=print, **execute_kw) -> list:
     """Measure the best candidates (ranked on the seeds the search measured them on: three, or one if it
     pruned them) on ``REGISTER_SEEDS`` seeds until ``k``
     of them hold the hard constraints on all five, or no candidate is left that holds them on the seeds
@@ -160,6 +162,7 @@ def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **
     from ..executors import execute
     from .search import candidate_configs, keep_measurements
     seeds = list(range(REGISTER_SEEDS))
+    k = space.min_set if k is None else k
     f = completed_file(space, store)
     tried: set[str] = set()
     while True:
@@ -183,7 +186,7 @@ def complete(space, store, cands, *, k: int = MIN_SET, steps=None, log=print, **
         keep_measurements(space, store, f, todo, seeds, steps)
 
 
-def identified_at(space, cands, k: int = MIN_SET) -> list:
+def identified_at(space, cands, k: int | None = None) -> list:
     """``identified`` over the candidates measured on ``REGISTER_SEEDS`` seeds only."""
     return identified(space.model_copy(update={"seeds": REGISTER_SEEDS}), cands, k)
 
@@ -269,7 +272,7 @@ def length_block(space, store, cands, seeds: int = 3, steps=None) -> str:
     which = "The identified set's"
     if not members:  # before any candidate is measured on every seed: the best ranked so far, on their seeds
         members = sorted([c for c in cands if c.status in ("passes", "fails", "pruned")], key=lambda c: _rank(space, c))
-        members, which = members[:MIN_SET], f"No identified set yet; the {min(MIN_SET, len(members))} best ranked so far:"
+        members, which = members[:space.min_set], f"No identified set yet; the {min(space.min_set, len(members))} best ranked so far:"
     lines = [f"{which} unforced runs at T = 120, read three ways (the same weights; the paper: "
              "soft_bias .263). Accuracy, mean over the seeds measured, and the task's Bayes ceiling at that length.",
              "", "| id | " + " | ".join(LENGTH_VARIANTS) + " |", "|---|" + "---|" * len(LENGTH_VARIANTS)]

@@ -39,6 +39,9 @@ MODEL_AXES = {"embed_init_std", "content_rank", "content_init_std", "gate_granul
               "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "norm", "attn_scale"}
 
 
+MIN_SET = 10  # an identified set holds at least this many configurations unless its space says (``min_set``)
+
+
 class SpaceError(ValueError):
     pass
 
@@ -64,6 +67,11 @@ class SearchSpace(BaseModel):
                          "seed); its runs belong in a store of their own and never enter a verdict table")
     difficulty: list[Criterion] | None = Field(None, description="this space's difficulty criteria (`softprior "
                                                "study`: the user's, or its defaults); None: the task's")
+    hard: list[Criterion] | None = Field(None, description="an identification search's hard constraints (a "
+                                         "regime of its own, e.g. a blocked constant gate); None: the task's "
+                                         "per-seed difficulty criteria")
+    min_set: int = Field(MIN_SET, ge=1, description="an identification search's identified set: at least this many "
+                         "configurations on five seeds (identify.identified)")
 
     @field_validator("task")
     @classmethod
@@ -109,6 +117,8 @@ class SearchSpace(BaseModel):
                     raise ValueError(f"enqueue: {k}={v!r} is not a value of an axis")
         if self.identify and self.effect:
             raise ValueError("identify and effect exclude each other: one objective per search")
+        if self.hard is not None and not self.identify:
+            raise ValueError("hard: the hard constraints of an identification search (identify = true)")
         if self.difficulty is None:
             declared_criteria(self.task)  # ValueError: the task declares none
         elif not self.difficulty:
@@ -121,17 +131,20 @@ class SearchSpace(BaseModel):
         for later in ("identify", "effect"):  # added later: a difficulty space keeps its digest (and its study)
             if not d[later]:
                 del d[later]
-        if d["difficulty"] is None:  # likewise
-            del d["difficulty"]
+        for later, default in (("difficulty", None), ("hard", None), ("min_set", MIN_SET)):  # likewise
+            if d[later] == default:
+                del d[later]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def criteria(self):
-        from .criteria import criteria_for, effect_criteria
+        from .criteria import criteria_for, effect_criteria, identification_criteria
         if self.effect:
             return effect_criteria(self.task)
         if self.difficulty is not None and not self.identify:
             return list(self.difficulty)
-        return criteria_for(self.task, self.identify)
+        if self.identify:
+            return identification_criteria(self.task, self.model, self.hard)
+        return criteria_for(self.task)
 
     def rows(self):
         """The rows every candidate trains: those its criteria read, in declaration order."""
