@@ -98,6 +98,44 @@ def test_the_identified_set_ranks_hard_constraints_then_matched_rows_then_distan
     assert pruned not in identified(space, many + [pruned])  # a distance on one seed is not comparable
 
 
+def test_a_regime_declares_its_own_hard_constraints_and_set_size():
+    """The blocked regime: its hard constraints replace the task's per-seed ones (unforced zero up to
+    .25, the constant gate at most .30), the paper's rows stay targets, and its set holds five."""
+    space = load_space("assoc_recall_blocked")
+    hard = {c.name: c.bounds() for c in space.criteria() if c.scale is None}
+    assert hard["unforced zero per seed"] == (-math.inf, 0.25) and hard["unforced normal per seed"] == (0.73, math.inf)
+    assert hard["forced_const0.5 normal (blocked)"] == (-math.inf, 0.30)
+    assert "unforced base zero" in {c.name for c in space.criteria() if c.scale is not None}  # reported, missed
+    blocked = {"forced_const0.5 base normal": 0.164, "unforced base zero": 0.20}
+    a = _cand(space, 1, blocked, True, 3.0)
+    a.values["unforced|zero"] = [0.20]  # .20 breaks the task's .16 but not the regime's .25
+    a.checks = {c.name: c.check(a.values[f"{c.row.key}|{c.gates}"]).ok if c.scale is None else True
+                for c in space.criteria()}
+    assert hard_ok(space, a) and not matched_rows(space, a)["unforced base zero"]
+    assert space.min_set == 5 and len(identified(space, [_cand(space, i, {}, True, float(i)) for i in range(7)])) == 7
+    assert len(identified(space, [_cand(space, i, blocked, True, float(i)) for i in range(7)])) == 5
+    with pytest.raises(ValueError, match="hard"):
+        load_space("assoc_recall_blocked").model_validate({**space.model_dump(), "identify": False})
+
+
+def test_a_search_at_the_large_size_scores_table_1s_large_rows_only():
+    rows = {c.name: c.target for c in load_space("assoc_recall_large_identify").criteria() if c.scale is not None}
+    assert rows == {"unforced large normal": 0.797, "unforced large zero": 0.102, "forced_zero large zero": 0.102,
+                    "forced_const0.5 large zero": 0.160, "forced_const0.5 large normal": 0.212,
+                    "parameters large (K)": 265.0}
+    base = {c.name for c in load_space("assoc_recall_identify").criteria() if c.scale is not None}
+    assert not any("large" in n for n in base) and "forced_const0.5 base normal" in base
+
+
+def test_markov_identification_scores_the_papers_accuracy_at_each_p():
+    space = load_space("markov_identify")
+    rows = {(c.row.task["p"], c.target) for c in space.criteria() if c.scale is not None}
+    assert rows == {(0.2, 0.83), (0.5, 0.92), (0.8, 0.97)}
+    hard = [c for c in space.criteria() if c.scale is None]
+    assert all(c.vs_chance and c.stat == "each" for c in hard)
+    assert {c.row.task["p"] for c in hard if c.row.path == "forced_zero"} == {0.2, 0.5, 0.8}
+
+
 # ------------------------------------------------------------------ end to end (20 steps)
 _SPACE = """
 name = "tiny_identify"

@@ -152,6 +152,9 @@ DIFFICULTY: dict[str, list[Criterion]] = {
 PAPER_ACCURACY: dict[str, list[tuple[Row, float]]] = {
     "markov": [(_row("unforced", p=0.2), 0.83), (_row("unforced", p=0.5), 0.92), (_row("unforced", p=0.8), 0.97)],
 }
+# An identification search scores them as rows (a learned gate, no trajectory): the paper gives no
+# spread, so their unit is a stated tolerance, .03 (two validation standard errors at 512 examples near .9).
+PAPER_ACCURACY_TOL = 0.03
 
 
 def identification_criteria(task: str, model: str = "base", hard: list | None = None) -> list[Criterion]:
@@ -164,7 +167,10 @@ def identification_criteria(task: str, model: str = "base", hard: list | None = 
     from ..task_configs import task_spec
     hard = [c for c in declared_criteria(task) if c.stat == "each"] if hard is None else list(hard)
     own = [c if isinstance(c, Criterion) else Criterion.model_validate(c) for c in task_spec(task).identification]
-    return hard + (own if model == "base" else []) + [
+    accuracy = [Criterion(name=f"{row.key} normal (paper {paper:g})", row=row, gates="normal", target=paper,
+                          tol=MATCH_Z * PAPER_ACCURACY_TOL, scale=PAPER_ACCURACY_TOL)
+                for row, paper in PAPER_ACCURACY.get(task, [])] if model == "base" else []
+    return hard + (own if model == "base" else []) + accuracy + [
         Criterion(name=r.name, row=_row(r.source), gates=r.read, target=r.paper, tol=MATCH_Z * r.scale, scale=r.scale)
         for r in rows_for(task, search_only=True) if r.model == model]
 

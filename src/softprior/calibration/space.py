@@ -33,7 +33,7 @@ from .criteria import Criterion, declared_criteria
 
 __all__ = ["SearchSpace", "load_space", "shipped_spaces", "TASK_AXES", "MODEL_AXES", "SpaceError"]
 
-TASK_AXES = {"n_pairs", "n_keys", "layout", "n_queries", "loss_on", "placement", "query", "d", "n_points",
+TASK_AXES = {"vocab", "n_pairs", "n_keys", "layout", "n_queries", "loss_on", "placement", "query", "d", "n_points",
              "keys", "repeat_target", "answer", "format", "w_scale", "noise"}
 MODEL_AXES = {"embed_init_std", "content_rank", "content_init_std", "gate_granularity", "gate_logit_init",
               "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "norm", "attn_scale"}
