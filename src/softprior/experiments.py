@@ -190,6 +190,13 @@ register_experiment(Experiment(
                            col_of=lambda m, p=p: f"p={p}")]))
 
 register_experiment(Experiment(
+    "markov_controls", "not in the paper: Markov induction at p in {0.2, 0.5, 0.8} on five seeds, the fade beside "
+    "Table 2's controls (hard switches at 1050 and 600, the post hoc zero continuation), unforced and forced_zero",
+    lambda o: [c for p in (0.2, 0.5, 0.8) for c in
+               _path_cells(o, list(_T2), task="markov", task_options={"p": p}, seeds=5,
+                           col_of=lambda m, p=p: f"p={p}")]))
+
+register_experiment(Experiment(
     "linear_paths", "linear-regression ICL: normal and zero-gate query MSE/d (least squares is exact: 0)",
     lambda o: _path_cells(o, ["unforced", "forced_zero", "fade600"], task="linear_icl")))
 
