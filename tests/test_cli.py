@@ -518,3 +518,14 @@ def test_reproduce_an_experiment_on_another_record(tmp_path, capsys):
     capsys.readouterr()
     assert main(["reproduce", "gate_interventions", "--quick", "--record", "nope", "--store", str(store)]) == 2
     assert "identified-assoc_recall" in capsys.readouterr().err
+
+
+def test_reproduce_paper_only_names_the_experiments_it_may_run(tmp_path, capsys):
+    """--only keeps some of the paper's experiments; a name that is not one of them is refused in one
+    line that lists them (before anything trains)."""
+    from softprior.cli import main
+    assert main(["reproduce", "paper", "--only", "paths,nope", "--store", str(tmp_path / "s"), "--out",
+                 str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--only: 'nope' not among the experiments" in err and "removability" in err
+    assert not (tmp_path / "s").exists()

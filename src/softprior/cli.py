@@ -396,6 +396,13 @@ def _paper(args, train: bool) -> int:
         tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
         opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks, record=args.record)
         names, exploratory = (ON_RECORD if opts.record else PAPER + OURS), args.exploratory
+        if args.only:
+            only = [n.strip() for n in args.only.split(",") if n.strip()]
+            bad = [n for n in only if n not in names]
+            if bad:
+                raise CliError(f"--only: {', '.join(map(repr, bad))} not among the experiments of 'paper' here "
+                               f"({', '.join(names)})")
+            names = [n for n in names if n in only]
         exps = paper_cells(opts, names)
         _check_outputs(args, "results")
         store = _store(args, read_only=not train)
@@ -1012,6 +1019,8 @@ def _add_reproduce_args(r) -> None:
     r.add_argument("--device", default=None, help="where runs train (single runs and groups), e.g. cuda "
                    "(default: $SOFTPRIOR_DEVICE or cpu)")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--only", default=None, metavar="EXP,EXP", help="paper only: these of its experiments (e.g. "
+                   "the large rows of a record: --record NAME --only paths)")
     r.add_argument("--exploratory", action="store_true",
                    help="train prediction rows even if no calibration record covers their configuration, "
                    "and let runs trained from a dirty tree enter the tables, marked exploratory")

@@ -197,6 +197,11 @@ register_experiment(Experiment(
                            col_of=lambda m, p=p: f"p={p}")]))
 
 register_experiment(Experiment(
+    "large_controls", "not in the paper: Table 2's hard switch at 1050 on the large model (5 seeds), beside its "
+    "fade600->0 and linear anneal (Table 1's large rows)",
+    lambda o: _path_cells(o, ["fade600", "linear0.5->0", "hard_switch1050"], models=("large",), seeds=5)))
+
+register_experiment(Experiment(
     "linear_paths", "linear-regression ICL: normal and zero-gate query MSE/d (least squares is exact: 0)",
     lambda o: _path_cells(o, ["unforced", "forced_zero", "fade600"], task="linear_icl")))
 

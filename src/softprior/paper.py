@@ -393,7 +393,7 @@ def paper_cells(opts, names=None):
 # the paper's tables on another pre-registered configuration (``reproduce paper --record NAME``): the
 # paper's experiments without the continuation trace, whose tangent solves (12.9 s a snapshot, 13 a run)
 # cost more than the runs it reads
-ON_RECORD = [n for n in PAPER if n != "continuation_trace"] + ["markov_controls"]  # ours: Markov's controls
+ON_RECORD = [n for n in PAPER if n != "continuation_trace"] + ["markov_controls", "large_controls"]  # ours: controls
 
 
 # where a condition is undecided at the paper's seed counts (5 for Table 1's fade and Table 2's causal
