@@ -443,3 +443,21 @@ def test_results_doc_sets_the_tables_on_another_record_beside_the_paper(tmp_path
     own = write_results_doc(sub, sub / "RESULTS.md", names=["paths"], record="identified-assoc_recall")
     assert "| parameters base (K) | Sec. 3 | 35 | 35.458 |" in own and "record `identified-assoc_recall`'s" in own
     assert "| 35.458 |" not in write_results_doc(sub, sub / "RESULTS.md", names=["paths"])
+
+
+def test_the_cross_regime_table_puts_each_records_verdicts_side_by_side(tmp_path):
+    """One column per record whose tables ran (the default tables, then each on_record/NAME), each cell
+    the verdict the record's own verdict table gives; nothing when no table ran on another record."""
+    from softprior.paper import ON_RECORD_DIR, cross_regime_summary, cross_regime_table, registered_changes, verdicts
+    res = ROOT / "docs" / "results"
+    subs = sorted(p for p in (res / ON_RECORD_DIR).glob("*") if p.is_dir() and load_tables(p))
+    table = cross_regime_table(res).split("\n")
+    assert len(table) == 2 + len(CLAIMS) and table[0].count(" | ") == 1 + len(subs)
+    for sub, col in zip(subs, range(2, 2 + len(subs))):
+        assert f"`{sub.name}`" in table[0]
+        for line, (cl, v, _) in zip(table[2:], verdicts(load_tables(sub), changed=registered_changes(sub))):
+            assert line.startswith(f"| {cl.statement} |")
+            cell = line.split(" | ")[col].strip(" |*")
+            assert cell and v.startswith(cell.split(" (")[0]), (cl.name, cell, v)
+    (tmp_path / "removability").mkdir()
+    assert cross_regime_table(tmp_path) == "" and cross_regime_summary(tmp_path) == ""

@@ -454,9 +454,10 @@ def _paper(args, train: bool) -> int:
     write_results_doc(out, doc, names=[e.name for e, _ in exps], spaces=written, record=opts.record)
     _record_report(store, "RESULTS.md", started, time.perf_counter() - t0, 0)
     if readme:  # the verdicts at a glance, generated from the same tables
-        from .paper import load_tables, verdict_summary
+        from .paper import cross_regime_summary, load_tables, verdict_summary
         from .report import splice_into_doc
-        splice_into_doc(readme, "verdicts", verdict_summary(load_tables(out)))
+        cross = cross_regime_summary(out)
+        splice_into_doc(readme, "verdicts", verdict_summary(load_tables(out)) + ("\n\n" + cross if cross else ""))
     if writer is not None:
         from .bundle import write_ledger
         rows = store.ledger()  # after this report's rows: the bundle carries the time it took

@@ -308,6 +308,66 @@ def on_record_sections(results_dir: str | Path, doc: str | Path) -> list[str]:
     return out
 
 
+# what each shipped record of the cross-regime table is (a record not named here is shown by its name)
+REGIMES = {"identified-assoc_recall": "identified", "assoc_recall_blocked": "blocked constant gate",
+           "assoc_recall_large_identify": "large, identified", "markov_identify": "Markov, identified"}
+
+
+def _short(v: str) -> str:
+    """A verdict as a table cell: its words before any parenthesis, and a partial one's count."""
+    if v.startswith("partly") and "(" in v:
+        return "partly (" + v.split("(", 1)[1].split(";")[0].rstrip(")") + ")"
+    return v.split(" (")[0].split(":")[0]
+
+
+def _regime_verdicts(results_dir: Path) -> list[tuple[str, dict[str, str]]]:
+    """(column, claim name -> verdict) for the tables under ``results_dir`` (each task's default record)
+    and each ``on_record/NAME`` (the paper's tables on record NAME) that holds tables."""
+    cols = [("default records", results_dir)] + [
+        (f"{REGIMES.get(p.name, p.name)} (`{p.name}`)", p)
+        for p in sorted(q for q in (results_dir / ON_RECORD_DIR).glob("*") if q.is_dir()) if load_tables(p)]
+    return [(c, {cl.name: v for cl, v, _ in verdicts(load_tables(d), changed=registered_changes(d))}) for c, d in cols]
+
+
+def _cell(v: str) -> str:
+    return f"**{_short(v)}**" if v in ("reproduced", "not reproduced") else _short(v)
+
+
+def cross_regime_table(results_dir: str | Path) -> str:
+    """Each claim's verdict on every registered record side by side (``_regime_verdicts``); empty when
+    no table ran on another record."""
+    got = _regime_verdicts(Path(results_dir))
+    if len(got) < 2:
+        return ""
+    lines = ["| claim | " + " | ".join(c for c, _ in got) + " |", "|---|" + "---|" * len(got)]
+    lines += [f"| {cl.statement} | " + " | ".join(_cell(g[cl.name]) for _, g in got) + " |" for cl in CLAIMS]
+    return "\n".join(lines)
+
+
+def cross_regime_summary(results_dir: str | Path, results_doc: str = "docs/RESULTS.md") -> str:
+    """The README's form of ``cross_regime_table``, in words: per claim measured on more than one record,
+    its verdict on each (records that do not measure it left out); empty when no table ran on another record."""
+    got = _regime_verdicts(Path(results_dir))
+    if len(got) < 2:
+        return ""
+    out = ["The same claims on every pre-registered record whose tables ran (the table: "
+           f"[`{results_doc}`]({results_doc}#one-verdict-across-regimes)):", ""]
+    for cl in CLAIMS:
+        on = [(c, g[cl.name]) for c, g in got if not g[cl.name].startswith("not measured")]
+        if len(on) > 1:
+            out.append(f"- {cl.statement}: " + "; ".join(f"{c.split(' (`')[0]} {_cell(v)}" for c, v in on))
+    return "\n".join(out)
+
+
+_CROSS_HEAD = """## One verdict across regimes
+
+Each claim's verdict (above; in bold where decided) on every record whose tables ran: the default tables
+(each task's shipped default record) and the paper's tables on each further pre-registered record
+(sections above). "not measured": no table of that record holds the claim's cells (a record of
+another task, or an experiment not run on it). What the columns say in words: `results/NOTES.md`.
+"""
+
+
 _ID_HEAD = """## Identification rows
 
 The paper's numbers that involve no gate trajectory (a constant or learned gate, or no prior), declared
@@ -353,8 +413,9 @@ def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extr
         _ID_HEAD.replace("the shipped default configuration's", f"those of record `{record}`'s configuration")
     parts = [_HEAD, verdict_table(tables, results_dir), "", id_head,
              identification_table(tables, default_params(record)),
-             ""] + search_sections(results_dir, spaces) + on_record_sections(results_dir, doc) \
-        + ([formation, ""] if formation else [])
+             ""] + search_sections(results_dir, spaces) + on_record_sections(results_dir, doc)
+    cross = cross_regime_table(results_dir)
+    parts += ([_CROSS_HEAD, cross, ""] if cross else []) + ([formation, ""] if formation else [])
     notes = results_dir / "NOTES.md"  # prose that explains the tables (no numbers: those come from them)
     if notes.exists():
         parts += [notes.read_text().strip(), ""]
