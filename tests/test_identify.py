@@ -104,9 +104,14 @@ def test_a_regime_declares_its_own_hard_constraints_and_set_size():
     space = load_space("assoc_recall_blocked")
     hard = {c.name: c.bounds() for c in space.criteria() if c.scale is None}
     assert hard["unforced zero per seed"] == (-math.inf, 0.25) and hard["unforced normal per seed"] == (0.73, math.inf)
-    assert hard["forced_const0.5 normal (blocked)"] == (-math.inf, 0.30)
+    assert hard["forced_const0.5 at g=.5 (blocked)"] == (-math.inf, 0.30)
+    # the constant gate read at the gate it trained with, not at sigmoid(initial logit)
+    assert {c.name: c.gates for c in space.criteria()}["forced_const0.5 base normal"] == "g=.5"
+    assert {c.name: c.gates for c in load_space("assoc_recall_identify").criteria()}["forced_const0.5 base normal"] == "normal"
     assert "unforced base zero" in {c.name for c in space.criteria() if c.scale is not None}  # reported, missed
     blocked = {"forced_const0.5 base normal": 0.164, "unforced base zero": 0.20}
+    a = _cand(space, 1, blocked, True, 3.0)
+    assert a.values["forced_const0.5|g=.5"] == [0.164]
     a = _cand(space, 1, blocked, True, 3.0)
     a.values["unforced|zero"] = [0.20]  # .20 breaks the task's .16 but not the regime's .25
     a.checks = {c.name: c.check(a.values[f"{c.row.key}|{c.gates}"]).ok if c.scale is None else True

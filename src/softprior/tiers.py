@@ -33,9 +33,10 @@ __all__ = ["PaperRow", "SE_FLOOR", "MATCH_Z", "IDENTIFICATION", "TRAJECTORY", "R
 SE_FLOOR = 0.02
 MATCH_Z = 2.0
 # what a row reads of a trained run: its summary at the model's own gates ("normal") or every gate 0
-# ("zero"), an evaluation with one gate forced to 0, at length 120, or the model's parameter count
-# in thousands ("params"; no training needed)
-READS = ("normal", "zero", "pos=0", "content=0", "T=120", "params")
+# ("zero"), an evaluation with one gate forced to 0, at length 120, both gates at .5 ("g=.5": a
+# masked-gate path's "normal" is read at sigmoid(initial logit), the constant gate trained at .5), or
+# the model's parameter count in thousands ("params"; no training needed)
+READS = ("normal", "zero", "pos=0", "content=0", "T=120", "g=.5", "params")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ class Criterion(BaseModel):
 
     name: str
     row: Row
-    gates: Literal["normal", "zero", "pos=0", "content=0", "T=120", "params"]  # what is read (tiers.READS)
+    gates: Literal["normal", "zero", "pos=0", "content=0", "T=120", "g=.5", "params"]  # what is read (tiers.READS)
     stat: Literal["mean", "each"] = "mean"
     target: float | None = None
     tol: float | None = None
@@ -157,12 +157,14 @@ PAPER_ACCURACY: dict[str, list[tuple[Row, float]]] = {
 PAPER_ACCURACY_TOL = 0.03
 
 
-def identification_criteria(task: str, model: str = "base", hard: list | None = None) -> list[Criterion]:
+def identification_criteria(task: str, model: str = "base", hard: list | None = None,
+                            reads: dict | None = None) -> list[Criterion]:
     """The identification search's criteria (``tiers.py``): hard constraints (``hard``, a regime's own;
     default the task's per-seed difficulty criteria), then every identification row measured on each
     candidate of that size (``PaperRow.search``) as a target whose gap is its distance in units of the
     row's scale; it holds within ``MATCH_Z``. A size's rows are its own (Table 1's large column for a large
-    search); the task's own identification criteria are declared for the base size."""
+    search); the task's own identification criteria are declared for the base size. ``reads``: row name ->
+    the read a search declares for it instead of the row's (the constant gate's "normal" at g = .5)."""
     from ..tiers import MATCH_Z, rows_for
     from ..task_configs import task_spec
     hard = [c for c in declared_criteria(task) if c.stat == "each"] if hard is None else list(hard)
@@ -171,7 +173,8 @@ def identification_criteria(task: str, model: str = "base", hard: list | None = 
                           tol=MATCH_Z * PAPER_ACCURACY_TOL, scale=PAPER_ACCURACY_TOL)
                 for row, paper in PAPER_ACCURACY.get(task, [])] if model == "base" else []
     return hard + (own if model == "base" else []) + accuracy + [
-        Criterion(name=r.name, row=_row(r.source), gates=r.read, target=r.paper, tol=MATCH_Z * r.scale, scale=r.scale)
+        Criterion(name=r.name, row=_row(r.source), gates=(reads or {}).get(r.name, r.read), target=r.paper,
+                  tol=MATCH_Z * r.scale, scale=r.scale)
         for r in rows_for(task, search_only=True) if r.model == model]
 
 

@@ -128,7 +128,8 @@ def measure(space: SearchSpace, store, t_opts: dict, m_opts: dict, seeds, steps:
 EFFECT_PROMOTE = 0.15
 
 # the evaluations an identification row reads of a stored run (tiers.READS), beyond its summary
-_EVALS = {"pos=0": ((0.0, None), None), "content=0": ((None, 0.0), None), "T=120": (None, 120)}
+_EVALS = {"pos=0": ((0.0, None), None), "content=0": ((None, 0.0), None), "T=120": (None, 120),
+          "g=.5": ((0.5, 0.5), None)}
 
 
 def read_value(store, cfg, read: str) -> float:

@@ -70,6 +70,9 @@ class SearchSpace(BaseModel):
     hard: list[Criterion] | None = Field(None, description="an identification search's hard constraints (a "
                                          "regime of its own, e.g. a blocked constant gate); None: the task's "
                                          "per-seed difficulty criteria")
+    reads: dict[str, str] = Field(default_factory=dict, description="an identification search's reading of a "
+                                  "row other than the row's own (row name -> a tiers.READS value), e.g. the constant "
+                                  "gate's normal at the gate it trained with, g=.5")
     min_set: int = Field(MIN_SET, ge=1, description="an identification search's identified set: at least this many "
                          "configurations on five seeds (identify.identified)")
 
@@ -117,8 +120,15 @@ class SearchSpace(BaseModel):
                     raise ValueError(f"enqueue: {k}={v!r} is not a value of an axis")
         if self.identify and self.effect:
             raise ValueError("identify and effect exclude each other: one objective per search")
-        if self.hard is not None and not self.identify:
-            raise ValueError("hard: the hard constraints of an identification search (identify = true)")
+        if self.reads:
+            from ..tiers import READS, rows_for
+            names = {r.name for r in rows_for(self.task)}
+            for name, read in self.reads.items():
+                if name not in names or read not in READS:
+                    raise ValueError(f"reads: {name!r} -> {read!r}: not an identification row of {self.task} "
+                                     f"and one of {', '.join(READS)}")
+        if (self.hard is not None or self.reads) and not self.identify:
+            raise ValueError("hard, reads: the hard constraints and reads of an identification search (identify = true)")
         if self.difficulty is None:
             declared_criteria(self.task)  # ValueError: the task declares none
         elif not self.difficulty:
@@ -131,7 +141,7 @@ class SearchSpace(BaseModel):
         for later in ("identify", "effect"):  # added later: a difficulty space keeps its digest (and its study)
             if not d[later]:
                 del d[later]
-        for later, default in (("difficulty", None), ("hard", None), ("min_set", MIN_SET)):  # likewise
+        for later, default in (("difficulty", None), ("hard", None), ("reads", {}), ("min_set", MIN_SET)):  # likewise
             if d[later] == default:
                 del d[later]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
@@ -143,7 +153,7 @@ class SearchSpace(BaseModel):
         if self.difficulty is not None and not self.identify:
             return list(self.difficulty)
         if self.identify:
-            return identification_criteria(self.task, self.model, self.hard)
+            return identification_criteria(self.task, self.model, self.hard, self.reads)
         return criteria_for(self.task)
 
     def rows(self):
