@@ -162,3 +162,24 @@ def test_splice_into_doc_replaces_only_its_block(tmp_path):
     text = doc.read_text()
     assert text.count("<!-- table:paths -->") == 1 and "| new |" in text and "| a |" not in text
     assert "| b |" in text and text.startswith("# Results\n\nintro\n")
+
+
+def test_a_masked_gate_path_is_read_at_g_half_beside_its_normal_where_they_differ():
+    """"normal" on a path that forces a gate reads sigmoid(initial logit): at a logit of -1 that is .269,
+    not .5, so the path's cells also read g = .5 (and the table names the gate); a learned gate, or a
+    logit of 0 (sigmoid .5), reads once."""
+    import pandas as pd
+
+    from softprior.cells import HALF, NORMAL, ZERO, Cell, readings
+    from softprior.config import make_run_config
+    from softprior.report import reading_note
+    at = make_run_config("assoc_recall", "fade600", 0, model_options={"gate_logit_init": -1.0})
+    assert readings(at, (ZERO, NORMAL)) == (ZERO, NORMAL, HALF) and HALF.gates == (0.5, 0.5)
+    learned = make_run_config("assoc_recall", "unforced", 0, model_options={"gate_logit_init": -1.0})
+    zero_logit = make_run_config("assoc_recall", "forced_const0.5", 0, model_options={"gate_logit_init": 0.0})
+    assert readings(learned, (ZERO, NORMAL)) == (ZERO, NORMAL) == readings(zero_logit, (ZERO, NORMAL))
+    long = pd.DataFrame({"eval": ["normal", "g=.5"]})
+    note = reading_note([Cell(at, "fade600", evals=readings(at, (ZERO, NORMAL)))], long)
+    assert "sigmoid(initial logit) = 0.269 (initial logit -1)" in note and 'the column "g=.5"' in note
+    assert "not measured here" in reading_note([Cell(at, "fade600", evals=(ZERO, NORMAL, HALF))], long.iloc[:1])
+    assert reading_note([Cell(learned, "unforced")], long) == ""

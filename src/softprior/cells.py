@@ -21,6 +21,7 @@ class Eval:
     name: str
     gates: tuple | None = None  # (g_pos, g_content); None entries keep the model's own gate
     length: int | None = None  # None: the training context
+    optional: bool = False  # a reading added after a bundle was written: where it lacks it, not measured
 
     @property
     def from_summary(self) -> bool:
@@ -29,6 +30,23 @@ class Eval:
 
 NORMAL = Eval("normal")
 ZERO = Eval("zero", (0.0, 0.0))
+# "normal" on a path whose gates are forced (masked logits) reads sigmoid(initial logit); where that is not
+# .5, tables read both gates at .5 beside it (``readings``)
+HALF = Eval("g=.5", (0.5, 0.5), optional=True)
+
+
+def masked(cfg) -> bool:
+    """Whether a run's "normal" reading is at sigmoid(initial logit) rather than at a trained gate: a path
+    that forces a gate (its logit masked) on a model whose initial logit is not 0 (sigmoid .5)."""
+    return cfg.model.gate_logit_init != 0.0 and any(g.mode != "learned" for g in (cfg.path.pos, cfg.path.content))
+
+
+def readings(cfg, evals: tuple) -> tuple:
+    """``evals``, with the g = .5 reading after "normal" where the run's "normal" is not at .5 (``masked``)."""
+    if NORMAL not in evals or HALF in evals or not masked(cfg):
+        return evals
+    i = evals.index(NORMAL)
+    return evals[:i + 1] + (HALF,) + evals[i + 1:]
 
 
 @dataclass

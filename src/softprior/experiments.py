@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .cells import NORMAL, ZERO, Cell, Eval
+from .cells import NORMAL, ZERO, Cell, Eval, readings
 from .config import RunConfig, make_run_config
 from .registry import Registry
 
@@ -122,7 +122,7 @@ def _path_cells(opts: Options, paths, *, task="assoc_recall", models=("base",), 
                 cfg = make_run_config(task, path, seed, model=model, task_options=task_options, **opts.run_kwargs())
                 cfg = opts.scaled(cfg)
                 cells.append(Cell(cfg, row=path, col=col_of(model) if col_of else (model if len(models) > 1 else ""),
-                                  evals=evals))
+                                  evals=readings(cfg, evals)))
     return cells
 
 

@@ -24,7 +24,8 @@ import math
 from pathlib import Path
 
 
-from .bundle import ask
+from .bundle import BundleError, ask
+from .cells import HALF
 from .experiments import Cell, Eval, Experiment
 from .store import RunStore, StoreError
 
@@ -93,9 +94,14 @@ def collect(store: RunStore, cells: list[Cell]):
         metric = store.summary(cell.cfg.run_id)["metric"]
         ceiling = _ceiling(store, cell.cfg.task)
         for ev in cell.evals:
+            try:
+                value = evaluate_cell(store, cell, ev, cache)
+            except BundleError:
+                if not ev.optional:
+                    raise
+                continue  # a reading added after this bundle was written: not measured there
             rows.append({"row": cell.row, "col": cell.col, "eval": ev.name, "seed": cell.cfg.seed, "metric": metric,
-                         "value": evaluate_cell(store, cell, ev, cache), "run_id": cell.cfg.run_id,
-                         "ceiling": ceiling})
+                         "value": value, "run_id": cell.cfg.run_id, "ceiling": ceiling})
     return pd.DataFrame(rows, columns=["row", "col", "eval", "seed", "metric", "value", "run_id", "ceiling"])
 
 
@@ -674,6 +680,20 @@ def _exploratory_note(dirty: list[tuple[Cell, str]]) -> str:
             f"changes), so no commit reproduces them: {_runs_text(dirty)}.\n\n")
 
 
+def reading_note(cells: list[Cell], long) -> str:
+    """Where a table's "normal" on a masked-gate path is read at sigmoid(initial logit), not .5: that gate
+    value, and the g = .5 column beside it (``cells.readings``); empty where the two readings coincide."""
+    inits = sorted({c.cfg.model.gate_logit_init for c in cells if HALF in c.evals})
+    if not inits:
+        return ""
+    at = ", ".join(f"{1 / (1 + math.exp(-x)):.3f} (initial logit {x:g})" for x in inits)
+    half = (not long.empty and (long["eval"] == HALF.name).any())
+    return (f"\n_\"normal\" on the paths that force a gate reads the model's own gates, sigmoid(initial logit) = {at}, "
+            "since a forced gate's logit is never trained; " + (
+                "the column \"g=.5\" reads both gates at .5 (the constant gate's training value) beside it._\n" if half
+                else "this table's source predates the reading at g = .5 beside it (not measured here)._\n"))
+
+
 def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: str | Path, *,
                  exploratory: bool = False) -> str:
     """Write table.md, table.csv, figure.png (and curves.png) for ``exp``; return the markdown.
@@ -693,7 +713,7 @@ def write_report(store: RunStore, exp: Experiment, cells: list[Cell], out_dir: s
         md += f"\n**{smoke[0].upper() + smoke[1:]}**: a check that everything runs, not results.\n"
     if missing:
         md += f"\n**{missing} of {len(cells)} runs are missing or failed** (see `softprior reproduce {exp.name}`).\n"
-    md += provenance_note(store, cells)
+    md += provenance_note(store, cells) + reading_note(cells, long)
     agg.to_csv(out / "table.csv", index=False, float_format="%.6g")
     formation_table(store, cells).to_csv(out / "formation.csv", index=False)
     if not agg.empty:
