@@ -683,3 +683,16 @@ def test_a_signal_to_the_driver_alone_stops_the_workers_and_keeps_finished_runs(
     assert store.is_done(short.run_id) and not any(store.is_done(c.run_id) for c in long_runs)
     ckpts = [store.files.load_checkpoint(c.run_id) for c in long_runs]
     assert all(ck is not None and ck["meta"]["step"] > 0 for ck in ckpts), "an interrupted run left no checkpoint"
+
+
+def test_a_pools_threads_per_worker_count_the_cores_this_process_may_use(monkeypatch):
+    """Under taskset or a cgroup's CPU set a worker gets its share of the cores it may run on, not of the
+    machine's: two threads per worker on one allowed core oversubscribe it (OpenMP waits, measured 50x
+    slower on a small kernel beside a busy sweep)."""
+    import os
+
+    from softprior import executors
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1}, raising=False)
+    assert executors._Pool(1, None, None).threads == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert executors._Pool(2, None, None).threads == 4

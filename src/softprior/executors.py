@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import RunConfig
+from .runtime import usable_cores
 from .store import RunStore
 
 __all__ = ["execute", "sweep_plan", "SweepReport", "JobResult", "work", "choose_group_size", "group_sizes",
@@ -327,7 +328,7 @@ class _Pool:
         import multiprocessing as mp
         self.ctx = mp.get_context("spawn")
         self.workers = workers
-        self.threads = max(1, (os.cpu_count() or 1) // workers)
+        self.threads = max(1, usable_cores() // workers)
         self.progress, self.queue = progress, None  # the queue: handed to each worker as it starts
         self.futs = {}
         self.ck = (checkpoints, checkpoint_seconds)
