@@ -615,3 +615,20 @@ def test_the_map_block_names_its_rows_or_says_it_has_none():
     from softprior.calibration.robustness import prediction_rows
     assert _mapped_rows(prediction_rows("assoc_recall")) == "rows fade600, hard_switch1050, posthoc, linear0.5->0"
     assert _mapped_rows(prediction_rows("linear_icl")) == "no prediction rows (the claims read the difficulty rows)"
+
+
+def test_candidates_whose_trajectory_runs_cannot_differ_are_one_effect():
+    """The fade, forced_zero and the hard switch force every gate: the gate logit's initial value and
+    granularity are never read, and a cap on a prior that has none is not part of the model, so
+    candidates differing only there train the same trajectory runs (one effect, not several)."""
+    from types import SimpleNamespace
+
+    from softprior.calibration.doc import trajectory_key
+    base = {"prior_init": "locality", "prior_scale": 2.0, "content_rank": 0, "gate_logit_init": 0.0,
+            "gate_granularity": "shared", "prior_cap": 8.0}
+
+    def key(**m):
+        return trajectory_key(SimpleNamespace(task_options={"placement": "spread"}, model_options={**base, **m}))
+    assert key() == key(gate_logit_init=-3.0, gate_granularity="head") == key(prior_cap=32.0)
+    assert key() != key(content_rank=8) and key() != key(prior_scale=0.5)
+    assert key(prior_init="bounded") != key(prior_init="bounded", prior_cap=32.0)  # a bounded prior's cap is read

@@ -249,6 +249,20 @@ def write_sections(space, source, cands, out, blocks: dict, *, steps=None) -> Pa
     return path
 
 
+# model fields that a run whose gates are all forced never reads: its gate logits are masked (the
+# initial value, and how many there are, change no forward pass and no update)
+MASKED_GATE_INERT = ("gate_logit_init", "gate_granularity")
+
+
+def trajectory_key(c) -> str:
+    """What a candidate's masked-gate runs (the fade, forced_zero, the hard switch) are trained from: its
+    model config as a run id sees it (``ModelConfig``: a cap on a prior that has none is dropped) less
+    ``MASKED_GATE_INERT``, and its task options; candidates with one key train identical trajectory runs."""
+    from ..model_config import ModelConfig
+    m = ModelConfig(**c.model_options).model_dump(mode="json")
+    return json.dumps([c.task_options, {k: v for k, v in m.items() if k not in MASKED_GATE_INERT}], sort_keys=True)
+
+
 def effect_section(space, cands, top: int = 8) -> str:
     """The exploratory search for where the trajectory effect lives, for docs/RESULTS.md: the
     candidates with the largest effect (fade600 zero minus the larger of forced_zero and hard_switch600
@@ -260,29 +274,37 @@ def effect_section(space, cands, top: int = 8) -> str:
     done = [c for c in cands if all(k in c.means for k in keys)]
     if not done:
         return ""
-    ranked = sorted(done, key=lambda c: (-trajectory_effect(c.means), c.cid))
+    groups: dict[str, list] = {}  # candidates whose trajectory runs cannot differ: one effect
+    for c in sorted(done, key=lambda c: (-c.n_seeds, -trajectory_effect(c.means), c.cid)):  # most seeds first
+        groups.setdefault(trajectory_key(c), []).append(c)
+    groups = dict(sorted(groups.items(), key=lambda kv: (-trajectory_effect(kv[1][0].means), kv[1][0].cid)))
     paper = {(r.source, r.read): r for r in rows_for(space.task) if r.model == space.model}
     u_n, u_z = paper.get(("unforced", "normal")), paper.get(("unforced", "zero"))
     pat = {r.source: r.paper for r in rows_for(space.task, "trajectory") + rows_for(space.task)
            if r.model == space.model and r.source in EFFECT_PATHS and r.read == "zero" and r.paper is not None}
-    big = [c for c in done if trajectory_effect(c.means) >= 0.15 and c.checks.get("unforced zero per seed", False)]
+    big = [g for g in groups.values() if any(trajectory_effect(c.means) >= 0.15 and c.checks.get("unforced zero per seed", False)
+                                             for c in g)]
     lines = ["## Where the effect lives (exploratory, ours)", "",
              f"Search space `{space.name}` (digest `{space.digest}`): the same choices as the identification search, "
              f"searched for the trajectory effect itself: fade600 zero minus the larger of forced_zero zero and "
              f"hard_switch600 zero, the unforced model relying on its prior (zero gate at most .15 on every seed). "
-             f"{len(done)} candidates measured ({sum(c.n_seeds >= space.seeds for c in done)} on {space.seeds} seeds); "
-             f"{len(big)} show an effect of at least .15 with the unforced model relying on its prior. These runs "
+             f"{len(done)} candidates measured ({sum(c.n_seeds >= space.seeds for c in done)} on {space.seeds} seeds), "
+             f"{len(groups)} distinct trajectories: candidates that differ only in "
+             f"{' and '.join(MASKED_GATE_INERT)} train the same fade, forced_zero and hard-switch runs (their gates are "
+             f"forced, the logit never read), so they count as one effect; {len(big)} show an effect of at least .15 "
+             "with the unforced model relying on its prior. These runs "
              "are exploratory: no record covers them and none enters a verdict table. The paper's pattern: fade600 zero "
              f"{pat['fade600']:g} against forced_zero {pat['forced_zero']:g} and hard_switch600 {pat['hard_switch600']:g} "
              f"(an effect of {pat['fade600'] - max(pat['forced_zero'], pat['hard_switch600']):.3f}).", "",
-             f"The {min(top, len(ranked))} largest effects (means over the seeds measured), with the identification "
+             f"The {min(top, len(groups))} largest effects (means over the seeds measured; the candidates sharing "
+             "each one's trajectory runs listed with it), with the identification "
              "rows these runs also measure beside the paper's values "
              f"(unforced normal {u_n.paper if u_n else '-'}, unforced zero {u_z.paper if u_z else '-'}):", "",
              "| id | seeds | effect | fade600 zero | forced_zero zero | hard_switch600 zero | unforced normal | "
              "unforced zero | candidate |", "|---|---|---|---|---|---|---|---|---|"]
-    for c in ranked[:top]:
-        m = c.means
-        lines.append(f"| {c.cid} | {c.n_seeds} | {trajectory_effect(m):+.3f} | " + " | ".join(
+    for g in list(groups.values())[:top]:
+        c, m = g[0], g[0].means
+        lines.append(f"| {', '.join(x.cid for x in g)} | {c.n_seeds} | {trajectory_effect(m):+.3f} | " + " | ".join(
             f"{m[k]:.3f}" for k in keys) + f" | {m.get('unforced|normal', float('nan')):.3f} | "
             f"{m.get('unforced|zero', float('nan')):.3f} | {c.label} |")
     return "\n".join(lines)
