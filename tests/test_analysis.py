@@ -296,3 +296,19 @@ def test_trace_linear_icl_has_no_successor_mass():
     sd = SoftPriorTransformer(cfg.model).state_dict()
     df = A.trace([(0, sd)], cfg)
     assert df["successor_mass"].isna().all() and df["ablation_importance"].notna().all()
+
+
+def test_an_ablation_crossing_counts_only_above_noise():
+    """At chance (p = .1) an accuracy on 512 examples has a standard error of .0133: a drop of .033 is 2.5
+    of them and does not count against the threshold .03 plus two (.0565); .07 does. Without the
+    number of examples, the threshold alone."""
+    import pandas as pd
+
+    from softprior.analysis import summarise_trace
+    rows = [{"step": s, "layer": 0, "head": 0, "successor_mass": 0.0, "ablation_importance": d, "base_score": 0.1}
+            for s, d in ((600, 0.0), (1200, 0.033), (1800, 0.07))]
+    df = pd.DataFrame(rows)
+    assert summarise_trace(df, n_examples=512)["ablation_first_step"] == 1800
+    assert summarise_trace(df, n_examples=512)["ablation_first_step_any"] == 1800
+    assert summarise_trace(df)["ablation_first_step"] == 1200
+    assert summarise_trace(df.assign(base_score=0.5), n_examples=512)["ablation_first_step"] is None  # bar .074

@@ -113,7 +113,7 @@ def _mechanism(plan, store, rows) -> str:
             if len(snaps) > _SNAPSHOTS else snaps
         df = trace(list(dict((s, sd) for s, sd in snaps).items()), cfg, n_examples=plan.trace_examples)
         df.to_csv(plan.dir / f"trace_seed{cfg.seed}.csv", index=False, float_format="%.6g")
-        t = summarise_trace(df)
+        t = summarise_trace(df, n_examples=plan.trace_examples or cfg.n_val)
 
         def head(h):
             return f"L{h[0]}H{h[1]}" if h is not None else "–"

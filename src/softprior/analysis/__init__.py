@@ -320,32 +320,40 @@ def trace_matrix(df, column: str = "successor_mass"):
     return d.pivot(index="step", columns="unit", values=column).sort_index()
 
 
-def _summ(df, column: str, threshold: float) -> dict:
+def _summ(df, column: str, threshold: float, n_examples: int | None = None) -> dict:
     last = df[df["step"] == df["step"].max()]
     if last[column].isna().all():
         return {"top_head": None, "top_value": float("nan"), "first_step": None, "first_step_any": None}
     top = last.loc[last[column].idxmax()]
     head = (int(top["layer"]), int(top["head"]))
-    mine = df[(df["layer"] == head[0]) & (df["head"] == head[1])].sort_values("step")
-    crossed = mine[mine[column] >= threshold]
-    crossed_any = df[df[column] >= threshold]
+    # above noise: an accuracy measured on n examples has standard error sqrt(p (1 - p) / n), so a drop
+    # counts where it clears the threshold by two of them (None: the threshold alone)
+    p = df["base_score"].clip(0.0, 1.0)
+    bar = threshold + (2.0 * (p * (1.0 - p) / n_examples) ** 0.5 if n_examples else 0.0)
+    above = df[column] >= bar
+    mine = df[above & (df["layer"] == head[0]) & (df["head"] == head[1])].sort_values("step")
+    crossed = mine
+    crossed_any = df[above]
     return {"top_head": head, "top_value": float(top[column]),
             "first_step": int(crossed["step"].iloc[0]) if len(crossed) else None,
             "first_step_any": int(crossed_any["step"].min()) if len(crossed_any) else None}
 
 
-def summarise_trace(df, mass_threshold: float = 0.25, ablation_threshold: float = 0.03) -> dict:
+def summarise_trace(df, mass_threshold: float = 0.25, ablation_threshold: float = 0.03,
+                    n_examples: int | None = None) -> dict:
     """Per-seed summary of a ``trace`` (DESIGN.md, "Mechanism traces"). The top head of a measure is
     the (layer, head) with the largest value at the final traced step; its first step is the first traced step at which
     that head's value is >= the threshold (None if never); ``*_first_step_any`` is the first step at
-    which any head crosses. Keys:
+    which any head crosses. With ``n_examples`` (the traced batch), an ablation drop counts only above
+    noise: at least the threshold plus two standard errors of the accuracy it is a drop of,
+    sqrt(p (1 - p) / n) at that step's base score p (.027 at p = .1, n = 512). Keys:
 
         top_successor_head, top_successor_mass, successor_first_step, successor_first_step_any,
         top_ablation_head, top_ablation_importance, ablation_first_step, ablation_first_step_any,
         mass_threshold, ablation_threshold
     """
     m = _summ(df, "successor_mass", mass_threshold)
-    a = _summ(df, "ablation_importance", ablation_threshold)
+    a = _summ(df, "ablation_importance", ablation_threshold, n_examples)
     return {"top_successor_head": m["top_head"], "top_successor_mass": m["top_value"],
             "successor_first_step": m["first_step"], "successor_first_step_any": m["first_step_any"],
             "top_ablation_head": a["top_head"], "top_ablation_importance": a["top_value"],

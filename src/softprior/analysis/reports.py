@@ -37,14 +37,14 @@ def mechanism_report(store: RunStore, cells: list[Cell], out: Path, mass_thresho
     if not done:
         return ""
     lines = ["| seed | top successor head (final mass) | first step mass ≥ %.2f | top ablation head (final drop) "
-             "| first step ablation ≥ %.2f |"
+             "| first step ablation ≥ %.2f + 2 SE |"
              % (mass_threshold, ablation_threshold), "|---|---|---|---|---|"]
     fig, axes = plt.subplots(len(done), 2, figsize=(9, 2.6 * len(done)), squeeze=False)
     for i, c in enumerate(done):
         df = ask(store, "mechanism_trace", {"run": c.cfg.run_id},
                  lambda c=c: trace(store.load_snapshots(c.cfg.run_id), c.cfg), frame=True)
         df.to_csv(out / f"trace_seed{c.cfg.seed}.csv", index=False, float_format="%.6g")
-        s = summarise_trace(df, mass_threshold, ablation_threshold)
+        s = summarise_trace(df, mass_threshold, ablation_threshold, n_examples=c.cfg.n_val)
         def head(h):
             return f"L{h[0]}H{h[1]}" if h is not None else "–"
 
@@ -70,7 +70,9 @@ def mechanism_report(store: RunStore, cells: list[Cell], out: Path, mass_thresho
     fig.tight_layout()
     fig.savefig(out / "heatmaps.png", dpi=100)
     plt.close(fig)
-    return "\n".join(lines) + "\n\nHeatmaps: heatmaps.png (dashed lines: fade window).\n"
+    return "\n".join(lines) + ("\n\nAn ablation drop counts above noise: the threshold plus two standard errors of the "
+                               "accuracy it drops from, sqrt(p (1 - p) / n) on the n traced examples. "
+                               "Heatmaps: heatmaps.png (dashed lines: fade window).\n")
 
 
 # ------------------------------------------------------------------------------------ continuation trace
