@@ -183,3 +183,34 @@ def test_a_masked_gate_path_is_read_at_g_half_beside_its_normal_where_they_diffe
     assert "sigmoid(initial logit) = 0.269 (initial logit -1)" in note and 'the column "g=.5"' in note
     assert "not measured here" in reading_note([Cell(at, "fade600", evals=(ZERO, NORMAL, HALF))], long.iloc[:1])
     assert reading_note([Cell(learned, "unforced")], long) == ""
+
+
+def test_the_length_test_reads_the_records_registered_length_reading():
+    """On a record that registered "no bias beyond" (identified-assoc_recall), the length test also reads
+    T = 120 that way, and the identification row reads that column; the reading changes the model's
+    B^pos past the training length (zero, not clipped) or the context's pairs, nothing else."""
+    import pytest
+
+    from softprior.calibration.identify import length_view
+    from softprior.config import make_run_config
+    from softprior.experiments import Options, _length_evals
+    from softprior.model import build_model
+    from softprior.paper import identification_table
+    evals = _length_evals(Options(record="identified-assoc_recall"))
+    assert [e.name for e in evals] == ["normal", "T=120", "T=120 (no bias beyond)"] and evals[-1].reading == "no bias beyond"
+    assert [e.name for e in _length_evals(Options())] == ["normal", "T=120"]
+    cfg = make_run_config("assoc_recall", "unforced", 0)
+    view, model = length_view(cfg, build_model(cfg), "no bias beyond", 120)
+    assert model.cfg.pos_beyond == "zero" and all(b.attn.cfg.pos_beyond == "zero" for b in model.blocks)
+    assert view.task == cfg.task
+    fill, _ = length_view(cfg, build_model(cfg), "pairs fill", 120)
+    assert fill.task.n_pairs > cfg.task.n_pairs
+    with pytest.raises(ValueError, match="unknown length reading"):
+        length_view(cfg, build_model(cfg), "stretch", 120)
+    t = {"length_generalisation": {("soft_bias", "assoc_recall T=120"): 0.59,
+                                   ("soft_bias", "assoc_recall T=120 (no bias beyond)"): 0.17}}
+    row = next(l for l in identification_table(t, reading="no bias beyond").split("\n") if "T = 120" in l)
+    assert "0.170" in row and "read no bias beyond" in row
+    del t["length_generalisation"][("soft_bias", "assoc_recall T=120 (no bias beyond)")]
+    row = next(l for l in identification_table(t, reading="no bias beyond").split("\n") if "T = 120" in l)
+    assert "0.590" in row and "not measured here" in row

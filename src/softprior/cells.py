@@ -22,6 +22,9 @@ class Eval:
     gates: tuple | None = None  # (g_pos, g_content); None entries keep the model's own gate
     length: int | None = None  # None: the training context
     optional: bool = False  # a reading added after a bundle was written: where it lacks it, not measured
+    # past the training length, how B^pos and the context are read (calibration.identify.LENGTH_VARIANTS;
+    # None: "clip", the model's own pos_beyond)
+    reading: str | None = None
 
     @property
     def from_summary(self) -> bool:

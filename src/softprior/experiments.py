@@ -219,9 +219,22 @@ register_experiment(Experiment(
                                                                 Eval("pos=0", (0.0, None)), ZERO))
                for c in _baseline_cells(o, o.tasks or ("assoc_recall",)) if c.row == "soft_bias"], curves=False))
 
+def _length_evals(o: Options) -> tuple:
+    """T = 32 and T = 120 (B^pos clipped past the training length); on a record that registered another
+    reading of the length test (``length_reading``), that reading beside it."""
+    evals = (NORMAL, Eval("T=120", None, 120))
+    if o.record is None:
+        return evals
+    from .preregistration import record_named
+    chosen = record_named(o.record).get("length_reading", {}).get("chosen")
+    if chosen in (None, "clip"):
+        return evals
+    return evals + (Eval(f"T=120 ({chosen})", None, 120, optional=True, reading=chosen),)
+
+
 register_experiment(Experiment(
     "length_generalisation", "associative recall trained at T=32, evaluated at T=32 and T=120, every baseline",
-    lambda o: _baseline_cells(o, ("assoc_recall",), evals=(NORMAL, Eval("T=120", None, 120))), curves=False))
+    lambda o: _baseline_cells(o, ("assoc_recall",), evals=_length_evals(o)), curves=False))
 
 
 def _with_snapshots(o: Options, cells: list[Cell]) -> list[Cell]:

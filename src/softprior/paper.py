@@ -231,27 +231,49 @@ def _qualitative(r, tables) -> tuple[str, bool] | None:
     return None
 
 
-def identification_table(tables, params: dict[str, float] | None = None) -> str:
+def record_reading(record: str | None) -> str | None:
+    """The length reading a shipped record registered (``length_reading``; None: none, or clip)."""
+    if record is None:
+        return None
+    from .preregistration import UnknownRecordError, record_named
+    try:
+        chosen = record_named(record).get("length_reading", {}).get("chosen")
+    except UnknownRecordError:
+        return None
+    return None if chosen in (None, "clip") else chosen
+
+
+def identification_table(tables, params: dict[str, float] | None = None, reading: str | None = None) -> str:
     """The paper's identification rows (``tiers.py``) beside this project's measurement of each, from the
     experiments' tables (and ``params``: model size -> parameters in thousands, of the configuration the
-    tables ran on): the distance in units of the row's scale and whether it is matched."""
+    tables ran on): the distance in units of the row's scale and whether it is matched. ``reading``: the
+    length reading the tables' record registered; the T = 120 row reads that column where it was measured,
+    and says so where it was not."""
     from .tiers import IDENTIFICATION, MATCH_Z
     lines = ["| identification row | where | paper | measured here | distance (scale) | matched |",
              "|---|---|---|---|---|---|"]
     for r in IDENTIFICATION:
         paper = "-" if r.paper is None else f"{r.paper:g}" + (f" ± {r.spread:g}" if r.spread is not None else "")
-        cell, x = _id_cell(r), None
+        cell, x, how = _id_cell(r), None, ""
         if r.read == "params" and params:
             x = params.get(r.model)
         elif cell is not None:
             x = tables.get(cell[0], {}).get(cell[1:])
+            if r.read == "T=120":  # a record's registered length reading, where its table measured it
+                read = next((k for k in tables.get(cell[0], {}) if len(k) == 2 and k[0] == cell[1]
+                             and k[1].startswith(cell[2] + " (")), None)
+                if read is not None:
+                    cell, x = (cell[0], *read), tables[cell[0]][read]
+                    how = f", read {read[1].split(' (', 1)[1].rstrip(')')}"
+                elif reading is not None and x is not None:
+                    how = f", read clip: the record's reading \"{reading}\" not measured here"
         if x is None:
             q = _qualitative(r, tables)
             lines.append(f"| {r.name} | {r.where} | {paper} | {q[0] if q else 'not measured'} | - | "
                          f"{'-' if q is None else 'yes' if q[1] else '**no**'} |")
             continue
         n = tables.get(cell[0], {}).get((*cell[1:], "n")) if cell else None
-        seeds = f" (n={int(n)})" if n is not None and n == n else ""
+        seeds = f" (n={int(n)}{how})" if n is not None and n == n else f" ({how[2:]})" if how else ""
         lines.append(f"| {r.name} | {r.where} | {paper} | {x:.3f}{seeds} | {r.z(x):.1f} ({r.scale:g}) | "
                      f"{'yes' if r.z(x) <= MATCH_Z else '**no**'} |")
     return "\n".join(lines)
@@ -305,7 +327,7 @@ def on_record_sections(results_dir: str | Path, doc: str | Path) -> list[str]:
                 f"--from-bundle {Path(os.path.relpath(sub, Path(doc).parent)).as_posix()}`). The claims of "
                 "other tasks read no table here: \"not measured\".", "",
                 "### Verdicts", "", verdict_table(tables, sub), "",
-                "### Identification rows", "", identification_table(tables, default_params(sub.name)), ""]
+                "### Identification rows", "", identification_table(tables, default_params(sub.name), record_reading(sub.name)), ""]
     return out
 
 
@@ -413,7 +435,7 @@ def write_results_doc(results_dir: str | Path, doc: str | Path, names=None, extr
     id_head = _ID_HEAD if record is None else \
         _ID_HEAD.replace("the shipped default configuration's", f"those of record `{record}`'s configuration")
     parts = [_HEAD, verdict_table(tables, results_dir), "", id_head,
-             identification_table(tables, default_params(record)),
+             identification_table(tables, default_params(record), record_reading(record)),
              ""] + search_sections(results_dir, spaces) + on_record_sections(results_dir, doc)
     cross = cross_regime_table(results_dir)
     parts += ([_CROSS_HEAD, cross, ""] if cross else []) + ([formation, ""] if formation else [])

@@ -62,7 +62,7 @@ def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = N
     if ev.from_summary:
         return float(summary[("zero_" if ev.gates == (0.0, 0.0) else "normal_") + m])
     key = {"run": cfg.run_id, "gates": list(ev.gates) if ev.gates is not None else None, "length": ev.length,
-           "metric": m}
+           "metric": m, **({"reading": ev.reading} if ev.reading else {})}
     return float(ask(store, "evaluation", key, lambda: _evaluate_weights(store, cell, ev, m, _cache)))
 
 
@@ -77,8 +77,11 @@ def _evaluate_weights(store, cell: Cell, ev: Eval, m: str, _cache: dict | None) 
         _, model = store.load_model(cfg.run_id)
         if _cache is not None:
             _cache[key] = model
-    task = make_task(cfg.task)
     length = ev.length or cfg.model.n_ctx
+    if ev.reading:  # the same weights read past the training length as the record registered (a copy of
+        from .calibration.identify import length_view  # the model: the view changes its config in place)
+        cfg, model = length_view(cfg, store.load_model(cfg.run_id)[1], ev.reading, length)
+    task = make_task(cfg.task)
     val = cfg.validation_batch(task, length=length)
     gp, gc = ev.gates if ev.gates is not None else (None, None)
     return float(evaluate(model, task, val.inputs, val.targets, gp, gc)[m])

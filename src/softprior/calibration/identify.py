@@ -209,6 +209,24 @@ def member_entry(space, c) -> dict:
 LENGTH_VARIANTS = ("clip", "no bias beyond", "pairs fill")
 
 
+def length_view(cfg, model, name: str, length: int):
+    """(run config, model) read under the length reading ``name`` (``LENGTH_VARIANTS``) at ``length``: B^pos
+    clipped or zero past the training length (the model's ``pos_beyond``, set on ``model`` in place), and
+    the context's pairs as trained or filling the longer context."""
+    if name not in LENGTH_VARIANTS:
+        raise ValueError(f"unknown length reading {name!r}; one of {', '.join(LENGTH_VARIANTS)}")
+    t_cfg = cfg.task
+    if name == "pairs fill":
+        room = t_cfg.vocab - 1 - t_cfg.n_keys if t_cfg.keys == "replacement" else (t_cfg.vocab - 1) // 2
+        t_cfg = t_cfg.model_copy(update={"n_pairs": max(t_cfg.n_pairs, min(room, t_cfg.n_pairs * length
+                                                                           // cfg.model.n_ctx))})
+    m_cfg = cfg.model.model_copy(update={"pos_beyond": "zero" if name == "no bias beyond" else "clip"})
+    model.cfg = m_cfg
+    for block in model.blocks:
+        block.attn.cfg = m_cfg
+    return cfg.model_copy(update={"task": t_cfg}), model
+
+
 def length_variants(store, cfg, length: int = 120) -> dict[str, tuple[float, float]]:
     """A stored unforced run at ``length`` under each of ``LENGTH_VARIANTS``: (accuracy, Bayes ceiling)."""
     from ..tasks import make_task
@@ -216,18 +234,10 @@ def length_variants(store, cfg, length: int = 120) -> dict[str, tuple[float, flo
     _, model = store.load_model(cfg.run_id)
     out = {}
     for name in LENGTH_VARIANTS:
-        t_cfg = cfg.task
-        if name == "pairs fill":
-            room = t_cfg.vocab - 1 - t_cfg.n_keys if t_cfg.keys == "replacement" else (t_cfg.vocab - 1) // 2
-            t_cfg = t_cfg.model_copy(update={"n_pairs": max(t_cfg.n_pairs, min(room, t_cfg.n_pairs * length
-                                                                               // cfg.model.n_ctx))})
-        m_cfg = cfg.model.model_copy(update={"pos_beyond": "zero" if name == "no bias beyond" else "clip"})
-        model.cfg = m_cfg
-        for block in model.blocks:
-            block.attn.cfg = m_cfg
-        task = make_task(t_cfg)
-        val = cfg.model_copy(update={"task": t_cfg}).validation_batch(task, length=length)
-        out[name] = (float(evaluate(model, task, val.inputs, val.targets)["acc"]), t_cfg.ceiling())
+        view, model = length_view(cfg, model, name, length)
+        task = make_task(view.task)
+        val = view.validation_batch(task, length=length)
+        out[name] = (float(evaluate(model, task, val.inputs, val.targets)["acc"]), view.task.ceiling())
     return out
 
 
