@@ -16,7 +16,7 @@ import time
 import torch
 
 from softprior import kernels
-from softprior.fastpath import _Attention
+from softprior.model.fastpath import _Attention
 
 
 def _inputs(K, H, B, T, e, dh):

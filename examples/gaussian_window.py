@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from softprior.priors import PositionalPrior, register_prior
+from softprior.model.priors import PositionalPrior, register_prior
 
 
 def _inverse_softplus(y: float) -> float:

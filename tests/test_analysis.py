@@ -8,7 +8,7 @@ import torch
 
 from softprior import analysis as A
 from softprior.config import make_run_config
-from softprior.model import ModelConfig, SoftPriorTransformer
+from softprior.model.transformer import ModelConfig, SoftPriorTransformer
 from softprior.tasks import AssocRecallConfig, Batch, MarkovConfig, make_task
 
 LN_S = math.sqrt(1 + 1e-5)  # nn.LayerNorm's eps: LN(x) = x / LN_S for a zero-mean, unit-variance x

@@ -102,7 +102,7 @@ def _by_hand(store, run_id, length, g_pos, g_content):
     from safetensors.torch import load_file
 
     from softprior.config import RunConfig
-    from softprior.model import SoftPriorTransformer
+    from softprior.model.transformer import SoftPriorTransformer
     from softprior.tasks import make_task
 
     d = __import__("pathlib").Path(store) / "runs" / run_id

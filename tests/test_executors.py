@@ -446,7 +446,8 @@ def test_costlier_schemes_are_scheduled_first(monkeypatch):
     # same shapes and group sizes: the contextual schemes by their measured factors (DAPE, CoPE, GPSA)
     # before a bias scheme (ALiBi), so the slowest groups do not end a sweep running alone; a scheme off
     # the fast path costs READABLE_STEP_COST times its step there
-    from softprior import executors, fastpath
+    from softprior import executors
+    from softprior.model import fastpath
     from softprior.config import make_run_config
     from softprior.executors import _jobs
     cfgs = [make_run_config("assoc_recall", seed=s, baseline=b, steps=40, calibrated=False)

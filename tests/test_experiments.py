@@ -98,7 +98,7 @@ def test_gate_override_evaluations_are_computed_from_weights(tmp_path, task):
     from safetensors.torch import load_file
 
     from softprior.experiments import NORMAL, ZERO, Eval
-    from softprior.model import SoftPriorTransformer
+    from softprior.model.transformer import SoftPriorTransformer
     from softprior.tasks import make_task
 
     cfg = tiny_config(task=task, steps=30)
@@ -191,10 +191,10 @@ def test_the_length_test_reads_the_records_registered_length_reading():
     B^pos past the training length (zero, not clipped) or the context's pairs, nothing else."""
     import pytest
 
-    from softprior.calibration.identify import length_view
+    from softprior.cells import length_view
     from softprior.config import make_run_config
     from softprior.experiments import Options, _length_evals
-    from softprior.model import build_model
+    from softprior.model.transformer import build_model
     from softprior.paper import identification_table
     evals = _length_evals(Options(record="identified-assoc_recall"))
     assert [e.name for e in evals] == ["normal", "T=120", "T=120 (no bias beyond)"] and evals[-1].reading == "no bias beyond"

@@ -11,7 +11,7 @@ import torch
 from torch.func import stack_module_state
 
 from softprior.config import make_run_config
-from softprior.fastpath import fast_forward, model_forward, supports
+from softprior.model.fastpath import fast_forward, model_forward, supports
 from softprior.tasks import make_task
 from softprior.train import build_model
 
@@ -197,7 +197,7 @@ def test_contextual_schemes_on_the_fast_path_match_the_readable_model(baseline, 
     (vmapped over the runs) and K = 1 (each run alone, no vmap): the re-associated last layer on assoc
     (one loss position) and linear ICL (16 of 32), the plain one on Markov-determined (every position),
     layer 0 on the vocabulary on the token tasks."""
-    from softprior.fastpath import _scheme_kind
+    from softprior.model.fastpath import _scheme_kind
     for K in (2, 1):
         cfgs, models = _scheme_models(task, baseline, n_runs=K)
         inputs, pos, params = _batch_and_params(cfgs, models)

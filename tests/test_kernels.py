@@ -13,7 +13,7 @@ import torch
 
 from softprior import kernels
 from softprior.config import make_run_config
-from softprior.fastpath import _Attention
+from softprior.model.fastpath import _Attention
 from softprior.train import train
 
 attention_module = importlib.import_module("softprior.kernels.attention")  # (the package exports a function of that name)
@@ -124,7 +124,7 @@ def test_the_pure_pytorch_path_runs_where_the_build_fails(monkeypatch):
 
 
 def test_the_environment_switch_forces_the_pure_pytorch_path(monkeypatch):
-    from softprior import fastpath
+    from softprior.model import fastpath
     used = []
     real = _Attention.apply
     monkeypatch.setattr(_Attention, "apply", lambda *a: used.append(1) or real(*a))

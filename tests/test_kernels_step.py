@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch.func import functional_call, stack_module_state
 
-from softprior import fastpath, kernels
+from softprior import kernels
+from softprior.model import fastpath
 from softprior.kernels import step as kstep
-from softprior.model import ModelConfig, SoftPriorTransformer
+from softprior.model.transformer import ModelConfig, SoftPriorTransformer
 
 needs_build = pytest.mark.skipif(not kernels.available(), reason=f"the operator did not build: {kernels.build_error()}")
 

@@ -94,7 +94,7 @@ def test_report_timings_sums_the_ledger_against_the_floor(tmp_path, capsys, monk
     assert [c["seconds"] for c in t["costliest"]] == sorted((r["seconds"] for r in jobs), reverse=True)
     assert t["costliest"][0]["gflops"] == pytest.approx(jobs[0]["flop"] / jobs[0]["seconds"] / 1e9)
     # where the time goes: one kind (task/size, no positional scheme), every job's seconds and FLOP
-    from softprior.model_config import size_label
+    from softprior.model.config import size_label
     (kind, k), = t["kinds"].items()
     assert kind == f"{cfgs[0].task.name}/{size_label(cfgs[0].model)}" and k["runs"] == len(cfgs)
     assert k["seconds"] == pytest.approx(t["job_seconds"]) and k["flop"] == pytest.approx(flop)
@@ -230,7 +230,7 @@ def test_the_ledger_is_append_only_and_read_where_absent(tmp_path, capsys):
 def test_where_the_time_goes_names_the_positional_scheme(tmp_path, capsys, monkeypatch):
     """`report timings` splits the breakdown by the run's positional scheme, read from the stored
     config: a RoPE run is its own kind beside the soft-prior runs of the same task and size."""
-    from softprior.model_config import size_label
+    from softprior.model.config import size_label
     monkeypatch.setenv("SOFTPRIOR_GEMM_GFLOPS", "40")
     rope = tiny_config(path="unforced", seed=5, steps=STEPS, model_options={"prior": False, "positional": "rope"})
     cfgs = [*_cfgs()[:2], rope]

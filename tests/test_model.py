@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from softprior.model import ModelConfig, SoftPriorTransformer, UnknownModelError, model_preset, size_label
+from softprior.model.transformer import ModelConfig, SoftPriorTransformer, UnknownModelError, model_preset, size_label
 
 B, T, V = 3, 32, 32
 
@@ -178,7 +178,7 @@ def test_replaced_content_bias_enters_the_logits_gated():
 def test_replacing_an_observe_only_hook_is_an_error(model, x):
     """hook_result is computed for inspection; the forward uses hook_z. A replacement there used to
     be silently ignored."""
-    from softprior.model import OBSERVE_ONLY_HOOKS, HookError
+    from softprior.model.transformer import OBSERVE_ONLY_HOOKS, HookError
     assert OBSERVE_ONLY_HOOKS == ("hook_result",)
     name = "blocks.1.attn.hook_result"
     seen = []
@@ -441,8 +441,8 @@ def test_pos_bias_past_the_training_length_is_clipped_or_zero():
     """offsets >= n_ctx (only at evaluation lengths > n_ctx): the last learned offset's value, or no bias"""
     import torch
 
-    from softprior.model import SoftPriorTransformer
-    from softprior.model_config import ModelConfig
+    from softprior.model.transformer import SoftPriorTransformer
+    from softprior.model.config import ModelConfig
     for beyond in ("clip", "zero"):
         cfg = ModelConfig(n_ctx=8, prior_init="bounded", prior_scale=1.0, prior_cap=3.0, pos_beyond=beyond)
         m = SoftPriorTransformer(cfg)
@@ -456,8 +456,8 @@ def test_pos_bias_past_the_training_length_is_clipped_or_zero():
 
 
 def test_content_rank_zero_adds_no_parameters_for_the_content_bias():
-    from softprior.model import SoftPriorTransformer
-    from softprior.model_config import ModelConfig
+    from softprior.model.transformer import SoftPriorTransformer
+    from softprior.model.config import ModelConfig
     # QKVO attention (2 layers x 4 x 64 x 64) and one 32 x 64 embedding: 34,816, the paper's "about 35K";
     # then B^pos (2 x 4 x 32), three LayerNorms (3 x 128) and two gates: 35,460
     assert SoftPriorTransformer(ModelConfig(content_rank=0, gate_granularity="shared")).n_params() == 34816 + 256 + 384 + 2
@@ -467,8 +467,8 @@ def test_content_rank_zero_adds_no_parameters_for_the_content_bias():
 def test_layernorm_placement_changes_where_the_stream_is_normalised():
     """pre: resid_post = resid_pre + attn(LN(resid_pre)); post: resid_post = LN(resid_pre + attn(resid_pre)),
     no final LayerNorm; none: no LayerNorm anywhere (the parameters of three LayerNorms, 3 x 2 x 64, gone)."""
-    from softprior.model import SoftPriorTransformer
-    from softprior.model_config import ModelConfig
+    from softprior.model.transformer import SoftPriorTransformer
+    from softprior.model.config import ModelConfig
     base = SoftPriorTransformer(ModelConfig(content_rank=0, gate_granularity="shared")).n_params()
     assert SoftPriorTransformer(ModelConfig(content_rank=0, gate_granularity="shared", norm="none")).n_params() == base - 384
     # post: two block LayerNorms, no final one
@@ -493,8 +493,8 @@ def test_layernorm_placement_changes_where_the_stream_is_normalised():
 @pytest.mark.parametrize("scale,factor", [("inverse_sqrt", 1 / 4), ("inverse", 1 / 16), ("one", 1.0)])
 def test_attention_scale_multiplies_q_k(scale, factor):
     """d_head = 16: the logits are factor * q.k + g_pos B^pos + g_content B^content."""
-    from softprior.model import SoftPriorTransformer
-    from softprior.model_config import ModelConfig
+    from softprior.model.transformer import SoftPriorTransformer
+    from softprior.model.config import ModelConfig
     torch.manual_seed(0)
     m = SoftPriorTransformer(ModelConfig(attn_scale=scale))
     x = torch.randint(0, 32, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.func import functional_call, stack_module_state, vmap
 
-from softprior.baselines import BASELINES, GATED_BASELINES, list_baselines, resolve_baseline
+from softprior.model.baselines import BASELINES, GATED_BASELINES, list_baselines, resolve_baseline
 from softprior.paths import GateConfig
 from softprior.positional import SCHEMES, UnknownSchemeError, alibi_slopes, make_scheme, t5_bucket
 
@@ -31,7 +31,7 @@ def attend(s, q, k, qpos=None, kpos=None):
 
 # ---------------------------------------------------------------------------------------- registry
 def test_registry_lists_every_baseline():
-    """The baselines are defined once, in softprior.baselines: SPEC's thirteen names (kerple is one
+    """The baselines are defined once, in softprior.model.baselines: SPEC's thirteen names (kerple is one
     baseline, kerple_log, with the kerple_power variant), every static one backed by a scheme."""
     import softprior.positional as positional
     assert not hasattr(positional, "BASELINES") and not hasattr(positional, "GATED_BASELINES")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from softprior.experiments import EXPERIMENTS
-from softprior.model import MODEL_PRESETS, UnknownModelError
+from softprior.model.transformer import MODEL_PRESETS, UnknownModelError
 from softprior.paths import GateConfig, get_path, list_paths
 from softprior.positional import SCHEMES
 from softprior.registry import Registry
@@ -111,10 +111,10 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_membership_is_a_plain_question_not_an_error():
-    from softprior.baselines import resolve_baseline
+    from softprior.model.baselines import resolve_baseline
     from softprior.tasks import TASKS
     assert "assoc_recall" in TASKS and "no_such_task" not in TASKS
-    from softprior.baselines import UnknownBaselineError
+    from softprior.model.baselines import UnknownBaselineError
     with pytest.raises(UnknownBaselineError) as ei:  # the baseline error, not the scheme registry one
         resolve_baseline("no_such_baseline")
     assert "baseline" in str(ei.value)
@@ -123,7 +123,7 @@ def test_membership_is_a_plain_question_not_an_error():
 def test_a_task_or_prior_name_is_registered_once_unless_overwrite_is_asked():
     """``register_task`` and ``register_prior`` refuse a name already taken (a plugin cannot silently
     replace a built-in task or prior) and replace it only with ``overwrite=True``."""
-    from softprior.priors import PRIORS, register_prior
+    from softprior.model.priors import PRIORS, register_prior
     from softprior.task_configs import TASK_SPECS, register_task, task_spec
     spec = task_spec("assoc_recall")
     with pytest.raises(ValueError, match="already registered"):
@@ -141,7 +141,7 @@ def test_a_task_or_prior_name_is_registered_once_unless_overwrite_is_asked():
 
 
 def test_a_prior_that_is_not_a_module_with_a_bias_is_refused_in_one_line():
-    from softprior.priors import register_prior
+    from softprior.model.priors import register_prior
 
     class NotAPrior:
         pass

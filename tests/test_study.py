@@ -34,9 +34,9 @@ def _tiny(task, prior, tmp_path, **kw):
 
 
 def test_the_gaussian_window_is_the_bias_the_model_adds(plugins):
-    from softprior import fastpath
+    from softprior.model import fastpath
     from softprior.config import make_run_config
-    from softprior.model import build_model
+    from softprior.model.transformer import build_model
     cfg = make_run_config("assoc_recall", "unforced", 0, model_options={"prior_family": "gaussian_window",
                                                                         "prior_scale": 1.0, "prior_layers": (0,)})
     model = build_model(cfg)
@@ -53,7 +53,7 @@ def test_the_gaussian_window_is_the_bias_the_model_adds(plugins):
 
 
 def test_registries_name_their_entries_and_refuse_unknown_ones(plugins):
-    from softprior.priors import PRIORS, UnknownPriorError
+    from softprior.model.priors import PRIORS, UnknownPriorError
     from softprior.task_configs import TASK_SPECS, UnknownTaskError, task_spec
     assert list(PRIORS)[0] == "soft" and {"alibi", "t5", "gaussian_window"} <= set(PRIORS)
     assert {"assoc_recall", "markov", "linear_icl", "second_occurrence"} <= set(TASK_SPECS)
@@ -85,7 +85,7 @@ def test_plugin_configs_reach_a_spawned_worker(plugins, monkeypatch):
     from softprior.config import make_run_config
     cfg = make_run_config("second_occurrence", "unforced", 3, task_options={"vocab": 24},
                           model_options={"prior_family": "gaussian_window"})
-    code = ("import pickle, sys, torch; from softprior.tasks import make_task; from softprior.model import build_model; "
+    code = ("import pickle, sys, torch; from softprior.tasks import make_task; from softprior.model.transformer import build_model; "
             "c = pickle.load(sys.stdin.buffer); b = make_task(c.task).sample(4, 32, torch.Generator().manual_seed(0)); "
             "m = build_model(c); print(c.run_id, bool(b.inputs.max() < 24), type(m.blocks[0].attn.prior_module).__name__)")
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(cfg), capture_output=True, timeout=300,
@@ -171,7 +171,7 @@ def test_study_of_a_plugin_task_end_to_end(plugins, tmp_path):
 def test_a_static_scheme_serves_as_a_removable_prior():
     """ALiBi's bias (Press et al. 2022: -m_h |i - j|, m_h = 2^(-8 (h+1) / H)) is B^pos under the gate."""
     from softprior.config import make_run_config
-    from softprior.model import build_model
+    from softprior.model.transformer import build_model
     model = build_model(make_run_config("assoc_recall", "unforced", 0, model_options={"prior_family": "alibi"}))
     x = torch.randint(0, 32, (2, 32))
     _, cache = model.run_with_cache(x, names_filter="blocks.0.attn.hook_pos_bias")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from softprior.config import make_run_config
-from softprior.model import ModelConfig, initial_pos_bias
+from softprior.model.transformer import ModelConfig, initial_pos_bias
 from softprior.tasks import make_task, task_config
 
 

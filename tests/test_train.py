@@ -27,7 +27,7 @@ def forward_calls(monkeypatch):
     one run: K = 1) as (batch size, gate_pos, gate_content, inputs, own gate_pos, own gate_content):
     the gates applied and the model's own sigmoid(logit) at that moment, each averaged over layers
     and heads (the tests' paths have one value per kind)."""
-    import softprior.fastpath as fp
+    import softprior.model.fastpath as fp
     calls = []
     orig = fp.fast_forward
 

@@ -10,8 +10,8 @@ import importlib
 import sys
 import types
 
-_API = {"RunConfig": "config", "make_run_config": "config", "ModelConfig": "model",
-        "SoftPriorTransformer": "model", "model_preset": "model", "GateConfig": "paths", "PathConfig": "paths",
+_API = {"RunConfig": "config", "make_run_config": "config", "ModelConfig": "model.config",
+        "SoftPriorTransformer": "model.transformer", "model_preset": "model.config", "GateConfig": "paths", "PathConfig": "paths",
         "get_path": "paths", "register_path": "paths", "run": "runner", "RunStore": "store",
         "load_results": "store", "train": "train"}
 

@@ -31,6 +31,31 @@ class Eval:
         return self.length is None and self.gates in (None, (None, None), (0.0, 0.0))
 
 
+# What the paper leaves open about length (Sec. 4.5 gives only soft_bias at T = 120, .263): B^pos past
+# the training length (clipped to the last learned offset, or no bias), and whether the context keeps
+# its pairs or fills with more of them as in MQAR (at most vocab - 1 - n_keys distinct values; the
+# Bayes ceiling falls with the number of pairs). Evaluation-only: the same weights, read three ways.
+LENGTH_VARIANTS = ("clip", "no bias beyond", "pairs fill")
+
+
+def length_view(cfg, model, name: str, length: int):
+    """(run config, model) read under the length reading ``name`` (``LENGTH_VARIANTS``) at ``length``: B^pos
+    clipped or zero past the training length (the model's ``pos_beyond``, set on ``model`` in place), and
+    the context's pairs as trained or filling the longer context."""
+    if name not in LENGTH_VARIANTS:
+        raise ValueError(f"unknown length reading {name!r}; one of {', '.join(LENGTH_VARIANTS)}")
+    t_cfg = cfg.task
+    if name == "pairs fill":
+        room = t_cfg.vocab - 1 - t_cfg.n_keys if t_cfg.keys == "replacement" else (t_cfg.vocab - 1) // 2
+        t_cfg = t_cfg.model_copy(update={"n_pairs": max(t_cfg.n_pairs, min(room, t_cfg.n_pairs * length
+                                                                           // cfg.model.n_ctx))})
+    m_cfg = cfg.model.model_copy(update={"pos_beyond": "zero" if name == "no bias beyond" else "clip"})
+    model.cfg = m_cfg
+    for block in model.blocks:
+        block.attn.cfg = m_cfg
+    return cfg.model_copy(update={"task": t_cfg}), model
+
+
 NORMAL = Eval("normal")
 ZERO = Eval("zero", (0.0, 0.0))
 # "normal" on a path whose gates are forced (masked logits) reads sigmoid(initial logit); where that is not

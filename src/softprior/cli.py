@@ -56,7 +56,7 @@ class _HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):
         text = super()._get_help_string(action)
         if "{model_presets}" in text:
-            from .model_config import MODEL_PRESETS
+            from .model.config import MODEL_PRESETS
             text = text.replace("{model_presets}", ", ".join(MODEL_PRESETS))
         return text
 
@@ -763,7 +763,7 @@ def cmd_experiments(args) -> int:
 
 
 def cmd_baselines(args) -> int:
-    from .baselines import list_baselines
+    from .model.baselines import list_baselines
     return _print_rows(list_baselines())
 
 
@@ -901,7 +901,7 @@ def _add_study_parser(sub) -> None:
     s = sub.add_parser("study", help="the whole method on your own prior and/or task: difficulty search, "
                        "pre-registration, the paths, the robustness map, study/NAME/REPORT.md (docs/STUDY.md)")
     s.add_argument("--task", required=True, help="a registered task (`softprior tasks`, or one a --plugin registers)")
-    s.add_argument("--prior", default="soft", help="a registered prior family (softprior.priors: soft, alibi, t5, "
+    s.add_argument("--prior", default="soft", help="a registered prior family (softprior.model.priors: soft, alibi, t5, "
                    "kerple_log, kerple_power, fire, or one a --plugin registers)")
     s.add_argument("--plugin", action="append", help="a Python file that registers a task, a prior, paths or "
                    "experiments; repeatable")
@@ -1157,11 +1157,11 @@ _FAILURES = (("softprior.cli", "CliFailure"), ("softprior.store.errors", "StoreD
 _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.store.errors", "StoreError"),  # a run or store not there, a store not writable
               ("softprior.paths", "UnknownPathError"), ("softprior.tasks", "UnknownTaskError"),
-              ("softprior.model", "UnknownModelError"), ("softprior.baselines", "UnknownBaselineError"),
+              ("softprior.model.transformer", "UnknownModelError"), ("softprior.model.baselines", "UnknownBaselineError"),
               ("softprior.positional.base", "UnknownSchemeError"),
               ("softprior.experiments", "UnknownExperimentError"), ("softprior.experiments", "UnknownTaskFilterError"),
               ("softprior.plugins", "PluginError"), ("softprior.calibration.space", "SpaceError"),
-              ("softprior.study", "StudyError"), ("softprior.priors", "UnknownPriorError"),
+              ("softprior.study", "StudyError"), ("softprior.model.priors", "UnknownPriorError"),
               ("softprior.preregistration", "CalibrationMissing"),  # and RecordRefused, a subclass
               ("softprior.preregistration", "UnknownRecordError"),
               ("softprior.report", "DirtyRunsRefused"), ("softprior.executors", "SettingError"),

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from .model_config import ModelConfig, model_preset
+from .model.config import ModelConfig, model_preset
 from .paths import PathConfig, get_path
 from .preregistration import LATER_DEFAULTS, default_options, without_later_defaults
 from .task_configs import task_config, task_spec, validate_task_config
@@ -124,7 +124,7 @@ def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "
                     task_options: dict | None = None, model_options: dict | None = None,
                     baseline: str | None = None, calibrated: bool = True, **overrides) -> RunConfig:
     """Build a RunConfig from names (as the CLI does) plus overrides. ``baseline`` (one of
-    ``softprior.baselines.BASELINES``) sets the model's positional scheme and the path.
+    ``softprior.model.baselines.BASELINES``) sets the model's positional scheme and the path.
     ``calibrated``: start from the task's pre-registered calibration (``preregistration.default_options``, from
     ``calibration/registered``; True) or from the plain config defaults (False: the first version's task
     and initialisation)."""
@@ -135,7 +135,7 @@ def make_run_config(task: str | Any = "assoc_recall", path: str | PathConfig = "
     tcfg = task_config(task, **(task_options or {})) if isinstance(task, str) else task
     pcfg = get_path(path) if isinstance(path, str) else path
     if baseline is not None:
-        from .baselines import resolve_baseline
+        from .model.baselines import resolve_baseline
         extra, pcfg = resolve_baseline(baseline)
         model_options = {**(model_options or {}), **extra}
     io = dict(d_in=tcfg.d_in, d_out=1) if task_spec(tcfg.name).io == "vectors" else dict(vocab=tcfg.vocab)

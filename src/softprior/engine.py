@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from . import fastpath
+from .model import fastpath
 from .config import RunConfig
 from .train import RunResult, train_runs
 

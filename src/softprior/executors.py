@@ -705,7 +705,7 @@ def group_sizes(cfgs: list[RunConfig], group_size: int | str, workers: int) -> d
     all, or for "auto" each size's own ``choose_group_size`` over its own table and run count."""
     from collections import Counter
 
-    from .model_config import size_label
+    from .model.config import size_label
     counts = Counter(size_label(c.model) for c in cfgs)
     if group_size == "auto":
         return {m: choose_group_size(n, workers, group_scaling(m)) for m, n in counts.items()}
@@ -718,7 +718,7 @@ def _jobs(cfgs: list[RunConfig], group_size: int | dict[str, int], kept: list[li
     of a group checkpoint that a killed sweep left) is kept together, so it resumes where it stopped,
     whatever size the new plan would give it."""
     from .engine import group_key
-    from .model_config import size_label
+    from .model.config import size_label
     by_id = {c.run_id: c for c in cfgs}
     jobs = [[by_id[r] for r in g] for g in kept]
     cfgs = [c for c in cfgs if not any(c.run_id in g for g in kept)]
@@ -792,7 +792,7 @@ READABLE_STEP_COST = 2.0
 def _job_cost(job: list[RunConfig]) -> float:
     """A relative cost estimate for scheduling: steps x runs x layers x width^2 x context, times the
     scheme's measured factor (``STEP_COST``), at least ``READABLE_STEP_COST`` off the fast path."""
-    from .fastpath import supports
+    from .model.fastpath import supports
     m = job[0].model
     factor = STEP_COST.get(m.positional, 1.0)
     if not supports(m):
@@ -1029,7 +1029,7 @@ class _Ledger:
         if job.timing is None:  # a worker that crashed (or an older worker) returned no timing
             return
         from .flops import train_step_flops
-        from .model_config import size_label
+        from .model.config import size_label
         t = job.timing
         steps = {c.run_id: c.total_steps - t["from_step"] for c in cfgs}
         ok = [c for c, (res, _) in zip(cfgs, job.outs) if res is not None]

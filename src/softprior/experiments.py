@@ -137,7 +137,7 @@ TASK_VARIANTS = {  # label -> (task, task options)
 
 
 def _baseline_cells(opts: Options, tasks, evals=(ZERO, NORMAL), seeds=3) -> list[Cell]:
-    from .baselines import BASELINES
+    from .model.baselines import BASELINES
     cells = []
     for label, (task, topts) in TASK_VARIANTS.items():
         if label not in tasks and task not in tasks:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from .model import ModelConfig, SoftPriorTransformer
+from .model.transformer import ModelConfig, SoftPriorTransformer
 
 __all__ = ["to_hooked_transformer", "export_transformer_lens", "load_transformer_lens", "tl_config_dict",
            "FORMAT", "ExportError", "MissingExtraError"]

@@ -298,7 +298,7 @@ def default_params(record: str | None = None) -> dict[str, float]:
     """Parameters (thousands) of the shipped default associative-recall model, base and large (or of the
     shipped record ``record``'s configuration, ``preregistration.use_record``)."""
     from .config import make_run_config
-    from .model import build_model
+    from .model.transformer import build_model
     from .preregistration import use_record
     with use_record(record) as rec:
         task = rec["task"] if rec else "assoc_recall"

@@ -3,7 +3,7 @@
 This is the yardstick for ``softprior bench``: what one would write first, with separate Q/K/V
 projections, the relative-position bias materialised as a [B, H, T, T] tensor, logits at every
 position, the default (per-parameter loop) AdamW and default gradient clipping. It computes the
-same function as ``softprior.model`` (same equation), but none of the engineering.
+same function as ``softprior.model.transformer`` (same equation), but none of the engineering.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def _evaluate_weights(store, cell: Cell, ev: Eval, m: str, _cache: dict | None) 
             _cache[key] = model
     length = ev.length or cfg.model.n_ctx
     if ev.reading:  # the same weights read past the training length as the record registered (a copy of
-        from .calibration.identify import length_view  # the model: the view changes its config in place)
+        from .cells import length_view  # the model: the view changes its config in place)
         cfg, model = length_view(cfg, store.load_model(cfg.run_id)[1], ev.reading, length)
     task = make_task(cfg.task)
     val = cfg.validation_batch(task, length=length)

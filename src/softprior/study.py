@@ -172,7 +172,7 @@ _SOFT_ONLY = {"model.prior_init", "model.prior_cap", "model.pos_beyond"}  # the 
 def study_space(plan: StudyPlan, criteria: list[Criterion]) -> SearchSpace:
     """The study's search space: the task's axes (less the soft table's own when the prior is another
     family) and the prior family's axes; with --quick one axis of two values, on a grid."""
-    from .priors import prior_family
+    from .model.priors import prior_family
     base = _task_space(plan.task)
     axes = dict(base.get("axes", {}))
     if plan.prior != "soft":

@@ -36,10 +36,10 @@ from typing import Callable
 import torch
 from torch.func import functional_call, stack_module_state, vmap
 
-from . import fastpath
+from .model import fastpath
 from .config import RunConfig
-from .fastpath import model_forward
-from .model import SoftPriorTransformer, build_model  # noqa: F401 - build_model: re-exported (train.build_model)
+from .model.fastpath import model_forward
+from .model.transformer import SoftPriorTransformer, build_model  # noqa: F401 - build_model: re-exported (train.build_model)
 from .paths import PathConfig
 from .provenance import provenance
 from .runtime import one_thread, prepare_training

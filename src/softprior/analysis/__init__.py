@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..model import SoftPriorTransformer
+from ..model.transformer import SoftPriorTransformer
 
 __all__ = ["attention_patterns", "head_value_contributions", "answer_mask", "successor_value_mass",
            "mean_ablation", "ablation_importance", "previous_token_score", "induction_score",

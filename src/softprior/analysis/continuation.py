@@ -112,7 +112,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..model import SoftPriorTransformer
+from ..model.transformer import SoftPriorTransformer
 
 __all__ = ["ParamLayout", "SecondOrder", "second_order", "solve_damped", "Tangent", "optimum_tangent_fn",
            "RecoverySignal", "project_norm", "recovery_signal_fn", "model_output", "model_loss",

@@ -258,7 +258,7 @@ def trajectory_key(c) -> str:
     """What a candidate's masked-gate runs (the fade, forced_zero, the hard switch) are trained from: its
     model config as a run id sees it (``ModelConfig``: a cap on a prior that has none is dropped) less
     ``MASKED_GATE_INERT``, and its task options; candidates with one key train identical trajectory runs."""
-    from ..model_config import ModelConfig
+    from ..model.config import ModelConfig
     m = ModelConfig(**c.model_options).model_dump(mode="json")
     return json.dumps([c.task_options, {k: v for k, v in m.items() if k not in MASKED_GATE_INERT}], sort_keys=True)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 
+from ..cells import LENGTH_VARIANTS, length_view
 from ..tiers import MATCH_Z, rows_for
 from .search import REGISTER_SEEDS, completed_file, with_completed
 from .space import MIN_SET
@@ -202,29 +203,6 @@ def member_entry(space, c) -> dict:
             "hard_constraints": hard_ok(space, c), "distance": c.distance, "rows": rows}
 
 
-# What the paper leaves open about length (Sec. 4.5 gives only soft_bias at T = 120, .263): B^pos past
-# the training length (clipped to the last learned offset, or no bias), and whether the context keeps
-# its pairs or fills with more of them as in MQAR (at most vocab - 1 - n_keys distinct values; the
-# Bayes ceiling falls with the number of pairs). Evaluation-only: the same weights, read three ways.
-LENGTH_VARIANTS = ("clip", "no bias beyond", "pairs fill")
-
-
-def length_view(cfg, model, name: str, length: int):
-    """(run config, model) read under the length reading ``name`` (``LENGTH_VARIANTS``) at ``length``: B^pos
-    clipped or zero past the training length (the model's ``pos_beyond``, set on ``model`` in place), and
-    the context's pairs as trained or filling the longer context."""
-    if name not in LENGTH_VARIANTS:
-        raise ValueError(f"unknown length reading {name!r}; one of {', '.join(LENGTH_VARIANTS)}")
-    t_cfg = cfg.task
-    if name == "pairs fill":
-        room = t_cfg.vocab - 1 - t_cfg.n_keys if t_cfg.keys == "replacement" else (t_cfg.vocab - 1) // 2
-        t_cfg = t_cfg.model_copy(update={"n_pairs": max(t_cfg.n_pairs, min(room, t_cfg.n_pairs * length
-                                                                           // cfg.model.n_ctx))})
-    m_cfg = cfg.model.model_copy(update={"pos_beyond": "zero" if name == "no bias beyond" else "clip"})
-    model.cfg = m_cfg
-    for block in model.blocks:
-        block.attn.cfg = m_cfg
-    return cfg.model_copy(update={"task": t_cfg}), model
 
 
 def length_variants(store, cfg, length: int = 120) -> dict[str, tuple[float, float]]:

@@ -136,7 +136,7 @@ def read_value(store, cfg, read: str) -> float:
     """One identification read of a stored run: an evaluation from its weights (``report.evaluate_cell``,
     cached in the store like every report's), or its parameter count in thousands (no weights needed)."""
     if read == "params":
-        from ..model import build_model
+        from ..model.transformer import build_model
         return build_model(cfg).n_params() / 1000.0
     from ..cells import Cell, Eval
     from ..report import evaluate_cell

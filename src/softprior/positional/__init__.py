@@ -34,7 +34,7 @@ the readable model (vmapped) until ``fastpath._scheme_kind`` is taught it.
 
 The three soft-prior baselines (soft_bias, soft_pos_only, soft_content_only) are not schemes here:
 they are the model's own gated prior on top of NoPE. The list of baselines (schemes and gated priors,
-their gate settings and descriptions) lives in one place, ``softprior.baselines``.
+their gate settings and descriptions) lives in one place, ``softprior.model.baselines``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ __all__ = [
 # ============================================================================ registry
 SCHEMES: Registry[tuple[type[PositionalScheme], str]] = Registry(
     "positional scheme", UnknownSchemeError, describe=lambda e: e[1],
-    hint="or none (the gated soft prior baselines are not schemes: softprior.baselines.resolve_baseline)", entries={
+    hint="or none (the gated soft prior baselines are not schemes: softprior.model.baselines.resolve_baseline)", entries={
     "vanilla": (LearnedAbsolute, "learned absolute position table added to the token embeddings"),
     "nope": (NoPE, "no positional encoding; causal mask only"),
     "rope": (RoPE, "rotary embedding of q and k over the full head dim (base 10000)"),
@@ -77,7 +77,7 @@ def make_scheme(name: str, *, n_heads: int, d_head: int, d_model: int, n_ctx: in
     ``max_len`` for vanilla, ``npos`` for cope, ``num_buckets`` for t5)."""
     if name not in SCHEMES:  # (the baselines module imports this one, so it is named, not imported)
         raise UnknownSchemeError(f"unknown positional scheme {name!r}; allowed: {', '.join(SCHEMES)} (the gated "
-                                 f"soft prior baselines are not schemes: softprior.baselines.resolve_baseline)")
+                                 f"soft prior baselines are not schemes: softprior.model.baselines.resolve_baseline)")
     if n_heads * d_head != d_model:
         raise ValueError(f"n_heads * d_head must equal d_model, got {n_heads} * {d_head} != {d_model}")
     if not 0 <= layer < n_layers:

@@ -255,7 +255,7 @@ class RunStore:
 
     def load_model(self, run_id: str):
         """(RunConfig, model with the final weights) for a finished run."""
-        from ..model import build_model
+        from ..model.transformer import build_model
         cfg = self.load_config(run_id)
         model = build_model(cfg)
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..config import RunConfig
-from ..model_config import size_label
+from ..model.config import size_label
 from .errors import RunNotFoundError, StoreDamagedError, StoreError, StoreReadOnlyError
 
 __all__ = ["RunIndex", "STALE_SECONDS", "LEDGER_KINDS", "connect_read_only"]

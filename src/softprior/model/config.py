@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .registry import Registry
+from ..registry import Registry
 
 __all__ = ["ModelConfig", "MODEL_PRESETS", "model_preset", "size_label", "UnknownModelError"]
 
@@ -53,7 +53,7 @@ class ModelConfig(BaseModel):
         "(muP's), or 1")
     prior: bool = Field(True, description="False: no soft prior (gates always 0), for static baselines")
     positional: str = Field("none", description="static positional scheme (softprior.positional), or none")
-    prior_family: str = Field("soft", description="the prior's B^pos family (softprior.priors): soft, the paper's "
+    prior_family: str = Field("soft", description="the prior's B^pos family (softprior.model.priors): soft, the paper's "
                               "table, or a registered one")
 
     @model_validator(mode="before")
@@ -69,7 +69,7 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        from .positional import SCHEMES
+        from ..positional import SCHEMES
         if self.positional != "none" and self.positional not in SCHEMES:
             raise ValueError(f"unknown positional scheme {self.positional!r}; allowed: none, {', '.join(SCHEMES)}")
         if self.prior_family != "soft":

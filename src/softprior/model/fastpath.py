@@ -83,10 +83,10 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from . import kernels
-from .kernels import step as kstep
-from .model import ModelConfig
-from .positional.rotary import rotate_pairs  # RoPE's rotation, shared with the readable scheme
+from .. import kernels
+from ..kernels import step as kstep
+from .config import ModelConfig
+from ..positional.rotary import rotate_pairs  # RoPE's rotation, shared with the readable scheme
 
 __all__ = ["supports", "engine", "fast_forward", "stacked_params", "model_forward"]
 
@@ -94,7 +94,7 @@ __all__ = ["supports", "engine", "fast_forward", "stacked_params", "model_forwar
 def supports(cfg: ModelConfig) -> bool:
     """Whether ``fast_forward`` computes this model (else use the readable model): no positional
     scheme, or one the fast path implements (``_scheme_kind``), and the paper's own prior family
-    (``prior_family="soft"``; a registered family runs in the readable model, ``softprior.priors``), with
+    (``prior_family="soft"``; a registered family runs in the readable model, ``softprior.model.priors``), with
     its LayerNorms before the attention or none (post-LayerNorm runs in the readable model)."""
     return (getattr(cfg, "prior_family", "soft") == "soft" and _scheme_kind(cfg.positional) != "unsupported"
             and cfg.norm != "post")
@@ -116,7 +116,7 @@ def engine(cfg: ModelConfig, tokens: bool, T: int, P: int, device: str = "cpu") 
     if why is None and device != "cpu":
         why = f"device {device} (the operator is CPU code)"
     if why is None and not kstep.enabled():
-        from .kernels.attention import build_error
+        from ..kernels.attention import build_error
         why = f"the kernels' library is unavailable ({build_error() or 'switched off'})"
     return ("whole-step", None) if why is None else ("fast-path", why)
 
@@ -132,7 +132,7 @@ def _scheme_kind(name: str) -> str | None:
     what its parent does not), so a new scheme is "unsupported" until the fast path is taught it."""
     if name == "none":
         return None
-    from .positional import GPSA, SCHEMES, AdditiveBias, CoPE, DAPE, LearnedAbsolute, PositionalScheme, RoPE
+    from ..positional import GPSA, SCHEMES, AdditiveBias, CoPE, DAPE, LearnedAbsolute, PositionalScheme, RoPE
     cls = SCHEMES[name][0]
     changed = {f for f in ("embed_positions", "rotate", "adjust_logits", "mix_pattern")
                if getattr(cls, f) is not getattr(PositionalScheme, f)}
@@ -169,7 +169,7 @@ class _SchemeCall(torch.nn.Module):
 def _scheme_module(name: str, method: str, H: int, dh: int, d: int, n_ctx: int, layer: int, L: int) -> _SchemeCall:
     """A template of layer ``layer``'s scheme: its own parameters are never read (``functional_call``
     substitutes the run's); built under a forked RNG so that building it draws nothing from the caller's."""
-    from .positional import make_scheme
+    from ..positional import make_scheme
     with torch.random.fork_rng(devices=[]):
         scheme = make_scheme(name, n_heads=H, d_head=dh, d_model=d, n_ctx=n_ctx, layer=layer, n_layers=L)
     return _SchemeCall(scheme, method)

@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model_config import MODEL_PRESETS, ModelConfig, UnknownModelError, model_preset, size_label  # noqa: F401
+from .config import MODEL_PRESETS, ModelConfig, UnknownModelError, model_preset, size_label  # noqa: F401
 
 __all__ = ["ModelConfig", "SoftPriorTransformer", "build_model", "MODEL_PRESETS", "model_preset", "size_label", "UnknownModelError",
            "HookError", "OBSERVE_ONLY_HOOKS", "shape_gate"]
@@ -135,14 +135,14 @@ class Attention(nn.Module):
         self.pos_bias = nn.Parameter(torch.zeros(H, cfg.n_ctx))  # B^pos[h, offset]
         self.scheme = None  # a static positional scheme (baselines), see softprior.positional
         if cfg.positional != "none":
-            from .positional import make_scheme
+            from ..positional import make_scheme
             self.scheme = make_scheme(cfg.positional, n_heads=H, d_head=cfg.d_head, d_model=d, n_ctx=cfg.n_ctx,
                                       layer=layer, n_layers=cfg.n_layers)
         with torch.no_grad():
             self.in_proj.weight[3 * d:].normal_(0.0, cfg.content_init_std)
             if cfg.prior_init != "zero" and layer in cfg.prior_layers:
                 self.pos_bias.copy_(initial_pos_bias(cfg))
-        self.prior_module = None  # a registered prior family's B^pos (softprior.priors); None: the table above
+        self.prior_module = None  # a registered prior family's B^pos (softprior.model.priors); None: the table above
         if cfg.prior_family != "soft":
             from .priors import build_prior
             self.prior_module = build_prior(cfg, layer)
@@ -179,7 +179,7 @@ class Attention(nn.Module):
             b_pos = self.pos_bias[:, offsets]
             if cfg.pos_beyond == "zero" and T > cfg.n_ctx:  # offsets the table never learned carry no bias
                 b_pos = b_pos.masked_fill(rel >= cfg.n_ctx, 0.0)
-        else:  # a registered family's B^pos_h(i, j) (softprior.priors)
+        else:  # a registered family's B^pos_h(i, j) (softprior.model.priors)
             b_pos = self.prior_module.bias(qpos, kpos).to(x.dtype)
         b_pos = hk(pre + "hook_pos_bias", b_pos)  # (H, Tq, T)
         u = u.view(B, Tq, H, r).transpose(1, 2)  # (B, H, Tq, r)

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .registry import Registry
+from ..registry import Registry
 
 __all__ = ["PriorFamily", "PRIORS", "register_prior", "prior_family", "build_prior", "PositionalPrior",
            "UnknownPriorError"]
@@ -74,7 +74,7 @@ def register_prior(name: str, build, description: str, *, axes: dict | None = No
     """Register a family: ``build`` is a ``PositionalPrior`` subclass (or any ``(cfg, layer) -> module``
     with ``bias(qpos, kpos)``); ``axes``: calibration axes of the model config that set its
     initialisation (e.g. ``{"model.prior_scale": [0.5, 1, 2]}``), which ``softprior study`` searches."""
-    from .plugins import current_plugin
+    from ..plugins import current_plugin
     if not callable(build) or (isinstance(build, type) and not (issubclass(build, nn.Module)
                                                                   and callable(getattr(build, "bias", None)))):
         what = build.__name__ if isinstance(build, type) else type(build).__name__
@@ -88,7 +88,7 @@ def prior_family(name: str) -> PriorFamily:
     """The entry of family ``name``; a name not registered in this process is looked for in the plugin
     files it was started with (``plugins.load_noted_plugins``) before ``UnknownPriorError``."""
     if name not in PRIORS:
-        from .plugins import load_noted_plugins
+        from ..plugins import load_noted_plugins
         load_noted_plugins()
     return PRIORS[name]
 
@@ -116,7 +116,7 @@ def build_prior(cfg, layer: int) -> nn.Module | None:
 
 def _scheme_prior(scheme: str):
     def build(cfg, layer):
-        from .positional import make_scheme
+        from ..positional import make_scheme
         return make_scheme(scheme, n_heads=cfg.n_heads, d_head=cfg.d_head, d_model=cfg.d_model, n_ctx=cfg.n_ctx,
                            layer=layer, n_layers=cfg.n_layers)
     return build

@@ -15,8 +15,8 @@ positional schemes themselves are registered in ``softprior.positional.SCHEMES``
 
 from __future__ import annotations
 
-from .paths import GateConfig, PathConfig
-from .positional import SCHEMES
+from ..paths import GateConfig, PathConfig
+from ..positional import SCHEMES
 
 __all__ = ["BASELINES", "GATED_BASELINES", "list_baselines", "resolve_baseline", "UnknownBaselineError",
            "STATIC_PATH"]
