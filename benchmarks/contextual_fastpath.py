@@ -24,8 +24,8 @@ import torch
 from torch.func import functional_call, vmap
 
 from softprior.config import make_run_config
-from softprior.runtime import prepare_training
-from softprior.train import Runs
+from softprior.training.runtime import prepare_training
+from softprior.training.loop import Runs
 
 
 def make_runs(baseline: str, task: str, K: int, readable: bool) -> Runs:

@@ -10,9 +10,9 @@ import time
 import torch
 
 from softprior.config import make_run_config
-from softprior.runtime import prepare_training
+from softprior.training.runtime import prepare_training
 
-T = importlib.import_module("softprior.train")  # the module (softprior.train is also the function)
+T = importlib.import_module("softprior.training.loop")  # the module (softprior.training.loop is also the function)
 prepare_training()
 torch.set_num_threads(2)
 real = T.one_thread

@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from softprior.config import make_run_config
 from softprior.flops import gemm_rate, train_step_flops
-from softprior.runtime import prepare_training
-from softprior.train import Runs
+from softprior.training.runtime import prepare_training
+from softprior.training.loop import Runs
 
 
 def _time(runs: Runs, steps: int) -> float:

@@ -17,8 +17,8 @@ import torch
 
 from softprior.bench import _our_step, train_step_flops
 from softprior.config import make_run_config
-from softprior.engine import train_group
-from softprior.runtime import prepare_training
+from softprior.training.engine import train_group
+from softprior.training.runtime import prepare_training
 
 
 def _ms(step, n=20, reps=2):

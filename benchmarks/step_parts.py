@@ -15,9 +15,9 @@ from contextlib import contextmanager
 import torch
 
 from softprior.config import make_run_config
-from softprior.train import Runs
+from softprior.training.loop import Runs
 
-train_mod = sys.modules["softprior.train"]  # (the package's ``train`` is the function)
+train_mod = sys.modules["softprior.training.loop"]  # (the package's ``train`` is the function)
 
 PARTS = ("sample", "gates", "forward", "loss", "zero_grad", "backward", "clipping", "AdamW")
 

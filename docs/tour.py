@@ -170,7 +170,7 @@ display(Image(filename=str(OUT / "curves.png")))
 
 # %% tags=["gates"]
 from softprior.tasks import make_task
-from softprior.train import evaluate
+from softprior.training.loop import evaluate
 
 models = {p: store.load_model(config(p, 0).run_id)[1] for p in PATHS}
 cfg = config("fade600", 0)

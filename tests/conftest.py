@@ -111,13 +111,13 @@ def state_dicts_equal(a: dict, b: dict) -> bool:
 
 
 def patch_train(monkeypatch, fn):
-    """Replace ``softprior.train.train`` with ``fn`` wherever the runner machinery looks it up
+    """Replace ``softprior.training.loop.train`` with ``fn`` wherever the runner machinery looks it up
     (the module attribute, and names bound by ``from .train import train``). Returns the original."""
     import importlib
 
-    train_mod = importlib.import_module("softprior.train")  # not `softprior.train`: that is the function
+    train_mod = importlib.import_module("softprior.training.loop")
     orig = train_mod.train
-    for name in ("softprior.train", "softprior.runner", "softprior.executors"):
+    for name in ("softprior.training.loop", "softprior.runner", "softprior.executors"):
         try:
             mod = importlib.import_module(name)
         except ImportError:

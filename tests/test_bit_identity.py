@@ -34,9 +34,9 @@ import torch
 
 from softprior import kernels
 from softprior.config import make_run_config
-from softprior.engine import train_group
+from softprior.training.engine import train_group
 from softprior.bench import AVX2_ENV  # the process env of an AVX2 machine on an AVX-512 host
-from softprior.train import train
+from softprior.training.loop import train
 
 SIGNATURE = ("2.13.0+cpu", "AVX512", "x86_64", "no AMX")  # the machine ``SINGLE`` was recorded on
 KW = dict(steps=4, eval_every=2, n_val=16, batch_size=8, calibrated=False)  # the digests predate the calibration
@@ -370,7 +370,7 @@ def test_a_short_run_gives_its_pinned_numbers_on_any_cpu(task):
 @pytest.mark.parametrize("task", ["assoc_recall", "markov", "linear_icl"])
 def test_the_first_batches_of_each_data_stream_are_pinned(task):
     from softprior.tasks import make_task
-    from softprior.train import seeded_generator
+    from softprior.training.loop import seeded_generator
     cfg = _pin_config(task)
     gen = seeded_generator(cfg.seed, 0)  # stream 0: the training data (train.Runs)
     batches = [make_task(cfg.task).sample(2, cfg.model.n_ctx, gen) for _ in range(2)]

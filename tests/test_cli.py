@@ -387,7 +387,7 @@ def test_a_bug_during_eval_is_not_a_usage_error(trained, monkeypatch, capsys):
 
     def broken(*a, **k):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)")
-    monkeypatch.setattr(importlib.import_module("softprior.train"), "evaluate", broken)  # the module, not the function
+    monkeypatch.setattr(importlib.import_module("softprior.training.loop"), "evaluate", broken)
     rc, out, err = cli(capsys, "eval", s["run_id"], "--store", store)
     assert rc == 1 and "Traceback" in err and "mat1 and mat2" in err
 

@@ -73,7 +73,7 @@ def test_bad_threads_is_a_usage_error(tmp_path, capsys):
 def test_choose_threads_is_each_workers_share_of_the_free_cores(monkeypatch):
     import os
 
-    from softprior.runtime import choose_threads, free_cores
+    from softprior.training.runtime import choose_threads, free_cores
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     for load, workers, want in ((0.1, 1, 8), (2.6, 1, 5), (7.9, 1, 1), (20.0, 1, 1), (0.0, 2, 4), (4.0, 2, 2)):
         monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, 0.0, 0.0))

@@ -14,7 +14,7 @@ import torch
 from softprior.analysis import continuation as C
 from softprior.config import make_run_config
 from softprior.tasks import make_task
-from softprior.train import build_model
+from softprior.model.transformer import build_model
 
 # ------------------------------------------------------------------------------------ hand-built quadratics
 # L(theta, g) = 1/2 theta^T H theta + g a^T theta:  grad = H theta + g a,  A = d/dg grad = a,
@@ -228,7 +228,7 @@ def test_removal_step_and_path_gates():
 
 # ------------------------------------------------------------------------------------ traces and the experiment
 def test_trace_on_a_fade_tracks_only_where_the_gate_moves():
-    from softprior.train import train
+    from softprior.training.loop import train
     cfg = make_run_config("assoc_recall", "fade10", steps=30, snapshot_every=10, eval_every=10, n_val=32,
                           batch_size=16)
     res = train(cfg)
@@ -254,7 +254,7 @@ def test_trace_on_a_fade_tracks_only_where_the_gate_moves():
 
 
 def test_traces_measured_by_two_worker_processes_equal_the_serial_ones():
-    from softprior.train import train
+    from softprior.training.loop import train
     cfg = make_run_config("assoc_recall", "fade10", steps=30, snapshot_every=10, eval_every=10, n_val=32,
                           batch_size=16)
     res = train(cfg)
@@ -340,7 +340,7 @@ def test_continuation_trace_experiment_end_to_end(tmp_path):
     def counting(*a, **k):
         calls.append(1)
         return orig(*a, **k)
-    from softprior.train import train
+    from softprior.training.loop import train
     res = train(c.cfg)
     res.state_dict = {k: v + 1e-3 for k, v in res.state_dict.items()}
     res.snapshots = [(st, {k: v + 1e-3 for k, v in w.items()}) for st, w in res.snapshots]

@@ -15,7 +15,8 @@ import torch
 from softprior.analysis import continuation as C
 from softprior.config import make_run_config
 from softprior.tasks import make_task
-from softprior.train import build_model, train
+from softprior.model.transformer import build_model
+from softprior.training.loop import train
 
 
 @pytest.fixture(scope="module")

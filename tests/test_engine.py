@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from softprior.engine import group_key, train_group
-from softprior.train import train
+from softprior.training.engine import group_key, train_group
+from softprior.training.loop import train
 
 from conftest import tiny_config
 
@@ -89,7 +89,7 @@ def _copy_into_reference(ours, ref, d=64, H=4, r=2):
 
 
 def test_model_matches_the_plain_reference_in_logits_and_gradients():
-    from softprior.train import build_model
+    from softprior.model.transformer import build_model
     cfg = tiny_config()
     ours = build_model(cfg)
     g = torch.Generator().manual_seed(0)
@@ -133,7 +133,7 @@ def test_a_model_without_prior_trains_at_zero_gates_in_a_group_as_alone():
             assert rg["normal_acc"] == rg["zero_acc"] and ra["normal_acc"] == ra["zero_acc"]
             assert ra["train_loss"] == pytest.approx(rg["train_loss"], rel=1e-5, abs=1e-5)
     # and the prior table (which gates 0 never reach) gets no gradient: it keeps its initial value
-    from softprior.train import build_model
+    from softprior.model.transformer import build_model
     init = build_model(cfgs[0]).state_dict()
     assert torch.equal(grouped[0].state_dict["blocks.0.attn.pos_bias"], init["blocks.0.attn.pos_bias"])
 
@@ -166,7 +166,7 @@ def test_static_and_gated_baselines_in_a_group_match_runs_alone(baseline):
 def test_a_group_is_stacked_before_it_moves_to_its_device():
     # the models are built on the CPU and stacked there; only then do the weights move (here to the
     # "meta" device, which needs no accelerator): moving the first model before stacking mixed devices
-    from softprior.train import Runs
+    from softprior.training.loop import Runs
     runs = Runs([tiny_config(seed=s) for s in range(2)], device="meta")
     assert all(p.device.type == "meta" and p.shape[0] == 2 for p in runs.params.values())
     assert next(runs.base.parameters()).device.type == "meta"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from softprior.config import make_run_config
-from softprior.engine import group_key, train_group
+from softprior.training.engine import group_key, train_group
 
 
 def _cfg(path="unforced", **m):
@@ -60,7 +60,7 @@ def test_a_run_is_bit_identical_alone_and_in_groups_of_2_5_and_8(monkeypatch, ta
     and the gate sigmoid's vector tail, a vmapped scheme), and the differences grew over training."""
     import importlib
     if reference:
-        monkeypatch.setattr(importlib.import_module("softprior.train").fastpath, "supports", lambda m: False)
+        monkeypatch.setattr(importlib.import_module("softprior.training.loop").fastpath, "supports", lambda m: False)
 
     def cfg(p, seed):
         return make_run_config(task, p, seed, steps=24, eval_every=8, n_val=64, batch_size=16, model_options=model)

@@ -127,7 +127,7 @@ def test_failing_run_inside_a_group_does_not_spoil_the_others(tmp_path, monkeypa
     store = RunStore(tmp_path / "s")
     cfgs = [tiny_config(seed=0), tiny_config(seed=1, grad_clip=None), tiny_config(seed=2)]
     # same group key, but the group engine raises: the driver falls back to single runs
-    import softprior.engine as engine
+    import softprior.training.engine as engine
 
     def boom(cfgs_, **kw):
         raise RuntimeError("group failure")
@@ -138,7 +138,7 @@ def test_failing_run_inside_a_group_does_not_spoil_the_others(tmp_path, monkeypa
 
 def test_group_engine_exception_is_recorded_with_traceback_before_the_fallback(tmp_path, monkeypatch, capsys):
     """The engine's exception used to be swallowed (the runs were silently retrained one by one)."""
-    import softprior.engine as engine
+    import softprior.training.engine as engine
     from conftest import patch_train
 
     store = RunStore(tmp_path / "s")

@@ -15,7 +15,7 @@ from softprior.cli import main
 from softprior.executors import execute
 from softprior.store.integrity import verify_store
 from softprior.store import RunStore, StoreError
-from softprior.train import train
+from softprior.training.loop import train
 
 SNAP = "snapshots/step_0000004.safetensors"
 

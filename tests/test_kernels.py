@@ -14,7 +14,7 @@ import torch
 from softprior import kernels
 from softprior.config import make_run_config
 from softprior.model.fastpath import _Attention
-from softprior.train import train
+from softprior.training.loop import train
 
 attention_module = importlib.import_module("softprior.kernels.attention")  # (the package exports a function of that name)
 needs_build = pytest.mark.skipif(not kernels.available(), reason=f"the operator did not build: {kernels.build_error()}")

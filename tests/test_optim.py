@@ -4,7 +4,7 @@ worked by hand, and its non-fused fallback where the fused kernel has no impleme
 import pytest
 import torch
 
-from softprior.train import make_optimizer
+from softprior.training.loop import make_optimizer
 
 from conftest import tiny_config
 

@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from softprior import runtime
+from softprior.training import runtime
 
 _PROBE = r"""
 import resource, torch
 torch.set_num_threads(1)
 from softprior.config import make_run_config
 from softprior.bench import _our_step
-from softprior.runtime import tune_allocator
+from softprior.training.runtime import tune_allocator
 applied = tune_allocator()
 step = _our_step(make_run_config("assoc_recall", "unforced", 0))
 for _ in range(20):

@@ -21,7 +21,7 @@ from conftest import patch_train, state_dicts_equal, tiny_config
 from softprior.paths import GateConfig, PathConfig
 from softprior.schedules import Fade
 from softprior.store import RunNotFoundError, RunStore, StoreError, load_results
-from softprior.train import train
+from softprior.training.loop import train
 
 FILES = {"config.json", "metrics.jsonl", "final.safetensors", "summary.json"}
 
@@ -420,7 +420,7 @@ def test_a_live_local_owner_keeps_its_claim_however_old_its_heartbeat(tmp_path):
 def test_a_failure_record_never_overwrites_a_finished_run(tmp_path):
     from softprior.config import make_run_config
     from softprior.store import RunStore
-    from softprior.train import train
+    from softprior.training.loop import train
     cfg = make_run_config("assoc_recall", "unforced", 0, steps=4, eval_every=2, n_val=16, calibrated=False)
     s = RunStore(tmp_path)
     assert s.claim(cfg)

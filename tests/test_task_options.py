@@ -198,8 +198,8 @@ def test_zero_prior_ignores_scale_and_layers():
                                        ("linear_icl", dict(d=3, n_points=6))])
 def test_options_train_alone_and_grouped_alike(task, opts):
     """Every option goes through both training entry points with the same numbers."""
-    from softprior.engine import train_group
-    from softprior.train import train
+    from softprior.training.engine import train_group
+    from softprior.training.loop import train
     cfg = make_run_config(task, "unforced", 0, steps=12, eval_every=6, n_val=64, task_options=opts)
     a = train(cfg).summary
     g = train_group([cfg])[0].summary

@@ -14,11 +14,12 @@ from conftest import state_dicts_equal, tiny_config
 from softprior.paths import GateConfig, PathConfig, get_path
 from softprior.schedules import Fade, HardSwitch
 from softprior.tasks import make_task
-from softprior.train import build_model, train
+from softprior.model.transformer import build_model
+from softprior.training.loop import train
 
-# `import softprior.train as m` would give the function: the package re-exports train() under the
+# `import softprior.training.loop as m` would give the function: the package re-exports train() under the
 # submodule's name, so fetch the module itself
-train_mod = importlib.import_module("softprior.train")
+train_mod = importlib.import_module("softprior.training.loop")
 
 
 @pytest.fixture
@@ -326,7 +327,7 @@ def test_run_id_ignores_path_description():
 
 
 def test_clip_per_run_scales_each_run_by_its_own_global_norm():
-    from softprior.train import clip_per_run_
+    from softprior.training.loop import clip_per_run_
     # run 0: gradients (3, 4) and (12,) -> global norm sqrt(9 + 16 + 144) = 13 > 1: scaled by 1/13;
     # run 1: (0.3, 0.4) and (0,) -> norm 0.5 <= 1: unchanged; run 2 (max inf) never clipped
     a = torch.tensor([[3.0, 4.0], [0.3, 0.4], [30.0, 40.0]])
@@ -338,7 +339,7 @@ def test_clip_per_run_scales_each_run_by_its_own_global_norm():
 
 
 def test_clip_per_run_leaves_runs_without_clipping_alone_even_at_overflow():
-    from softprior.train import clip_per_run_
+    from softprior.training.loop import clip_per_run_
     g = torch.tensor([[3e38, 3e38], [3.0, 4.0]])  # run 0's sum of squares overflows to inf
     clip_per_run_([g], torch.tensor([math.inf, 1.0]))
     assert torch.equal(g[0], torch.tensor([3e38, 3e38]))
@@ -346,7 +347,7 @@ def test_clip_per_run_leaves_runs_without_clipping_alone_even_at_overflow():
 
 
 def test_a_group_with_snapshots_refuses_checkpoints_it_could_not_resume():
-    from softprior.engine import train_group
+    from softprior.training.engine import train_group
     cfgs = [tiny_config(seed=s, snapshot_every=5) for s in range(2)]
     with pytest.raises(ValueError, match="snapshots"):
         train_group(cfgs, on_checkpoint=lambda c: None)
@@ -365,7 +366,7 @@ def test_a_single_runs_checkpoint_feeds_the_analysis():
 # a child that trains one run through the CLI and waits after its 4th step until Ctrl-C has been seen
 _CHILD = """
 import importlib, signal, sys, time
-T = importlib.import_module("softprior.train")
+T = importlib.import_module("softprior.training.loop")
 step = T.Runs.step
 def waiting(self, i):
     out = step(self, i)
@@ -427,7 +428,7 @@ def test_a_float64_groups_forced_gates_stay_float64():
     import torch
 
     from conftest import tiny_config
-    T = importlib.import_module("softprior.train")
+    T = importlib.import_module("softprior.training.loop")
     runs = T.Runs([tiny_config(path="unforced", seed=0), tiny_config(path="forced_zero", seed=1)])
     L, H = runs._LH
     own = torch.full((2, L, H), 0.3, dtype=torch.float64)

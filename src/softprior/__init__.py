@@ -7,13 +7,11 @@ line's ``--help`` and listings do not import torch."""
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 _API = {"RunConfig": "config", "make_run_config": "config", "ModelConfig": "model.config",
         "SoftPriorTransformer": "model.transformer", "model_preset": "model.config", "GateConfig": "paths", "PathConfig": "paths",
         "get_path": "paths", "register_path": "paths", "run": "runner", "RunStore": "store",
-        "load_results": "store", "train": "train"}
+        "load_results": "store", "train": "training.loop"}
 
 __all__ = list(_API)
 __version__ = "0.1.0"
@@ -29,17 +27,3 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted({*globals(), *_API})
-
-
-class _Package(types.ModuleType):
-    """``softprior.train`` is the function ``train``, as when this module imported it eagerly: importing
-    the submodule ``softprior.train`` (which the import system binds on the package) does not
-    replace it (the submodule stays ``sys.modules["softprior.train"]``)."""
-
-    def __setattr__(self, name, value):
-        if name == "train" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

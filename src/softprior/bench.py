@@ -171,7 +171,7 @@ def format_timings(t: dict) -> str:
 
 def _our_step(cfg):
     """One training step of ``train.train`` (its ``Runs.step``, K = 1), as a callable."""
-    from .train import Runs
+    from .training.loop import Runs
     runs = Runs([cfg])
     return lambda: runs.step(0)
 
@@ -243,7 +243,7 @@ def measure_group_scaling(ks=(1, 2, 4, 8, 16), steps: int = 30, threads: int = 1
     preset), at ``threads`` torch threads (a sweep worker's setting): the table ``--group auto``
     chooses from for that model size (``executors.group_sizes``)."""
     from .config import make_run_config
-    from .engine import train_group
+    from .training.engine import train_group
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -267,18 +267,18 @@ def run_bench(quick: bool = False, group_size: int = 8, log=print) -> dict:
     faster one (the thread count tuned to the machine); the per-count figures are in the JSON.
     The runtime setting (``runtime.prepare_training``) applies to the whole benchmark, the reference
     included (the conservative ratio)."""
-    from .runtime import prepare_training
+    from .training.runtime import prepare_training
     return _run_bench(quick, group_size, log, prepare_training())
 
 
 def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     from .config import make_run_config
-    from .engine import train_group
+    from .training.engine import train_group
     ref_mod = _load_reference()
     cfg = make_run_config("assoc_recall", "unforced", 0)
     max_threads = torch.get_num_threads()
     thread_counts = sorted({1, max_threads})
-    log(f"torch {torch.__version__}, timing at {thread_counts} threads; runtime settings (softprior.runtime, "
+    log(f"torch {torch.__version__}, timing at {thread_counts} threads; runtime settings (softprior.training.runtime, "
         f"applied to both implementations): {settings}")
     gemm = gemm_rate(threads=max_threads)
     flops = train_step_flops(cfg)
@@ -340,7 +340,7 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
 
 def _runs_step(cfgs):
     """One training step of ``train.Runs`` over ``cfgs`` (K = len(cfgs) runs at once), as a callable."""
-    from .train import Runs
+    from .training.loop import Runs
     runs = Runs(cfgs)
     return lambda: runs.step(0)
 
@@ -511,7 +511,7 @@ def run_engines(quick: bool = False, log=print, twins: bool = True) -> dict:
     import sys
 
     from .kernels import isa
-    from .runtime import prepare_training
+    from .training.runtime import prepare_training
     settings = prepare_training()
     log(f"attention kernel: {_attention_label()}")
     out = {**engine_table(_load_reference(), quick=quick, log=log), **settings, "isa": isa()}

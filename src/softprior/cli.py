@@ -233,8 +233,8 @@ def cmd_train(args) -> int:
     from .experiments import PAPER_STEPS
     from .paths import fits_budget, scale_to_budget, settles_at
     from .runner import run
-    from .runtime import choose_threads
-    from .train import build_model
+    from .training.runtime import choose_threads
+    from .model.transformer import build_model
 
     if args.threads is not None and args.threads < 1:
         raise CliError(f"--threads must be a positive integer, got {args.threads}")
@@ -297,7 +297,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from .tasks import make_task
-    from .train import evaluate
+    from .training.loop import evaluate
 
     gp, gc = parse_gates(args.gates)
     store = _store(args, read_only=True)

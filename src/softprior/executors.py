@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import RunConfig
-from .runtime import usable_cores
+from .training.runtime import usable_cores
 from .store import RunStore
 
 __all__ = ["execute", "sweep_plan", "SweepReport", "JobResult", "work", "choose_group_size", "group_sizes",
@@ -236,8 +236,8 @@ class _PieceClock:
 
 
 def _work(cfgs, init_states, ck, progress, report, checkpoint_seconds, report_seconds) -> JobResult:
-    from . import engine
-    from .train import train
+    from .training import engine
+    from .training.loop import train
     if report is not None and not (len(cfgs) > 1 and cfgs[0].snapshot_every):  # (a group keeps no snapshots)
         report(ck["resume"]["meta"]["step"] if ck.get("resume") else 0, True)
         save = ck.get("on_checkpoint")
@@ -717,7 +717,7 @@ def _jobs(cfgs: list[RunConfig], group_size: int | dict[str, int], kept: list[li
     ``group_size`` one K, or one per model size as ``group_sizes`` gives). A group in ``kept`` (run ids
     of a group checkpoint that a killed sweep left) is kept together, so it resumes where it stopped,
     whatever size the new plan would give it."""
-    from .engine import group_key
+    from .training.engine import group_key
     from .model.config import size_label
     by_id = {c.run_id: c for c in cfgs}
     jobs = [[by_id[r] for r in g] for g in kept]

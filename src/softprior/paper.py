@@ -567,7 +567,7 @@ def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=(), on_re
     import multiprocessing as mp
     import os
     from concurrent.futures import ProcessPoolExecutor, as_completed
-    from .runtime import usable_cores
+    from .training.runtime import usable_cores
     threads = max(1, usable_cores() // workers)
     order = sorted(exps, key=lambda e: _report_cost(e[1]), reverse=True)
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:

@@ -68,7 +68,7 @@ def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = N
 
 def _evaluate_weights(store, cell: Cell, ev: Eval, m: str, _cache: dict | None) -> float:
     from .tasks import make_task
-    from .train import evaluate
+    from .training.loop import evaluate
     cfg = cell.cfg
     key = cfg.run_id
     if _cache is not None and key in _cache:

@@ -208,7 +208,7 @@ def member_entry(space, c) -> dict:
 def length_variants(store, cfg, length: int = 120) -> dict[str, tuple[float, float]]:
     """A stored unforced run at ``length`` under each of ``LENGTH_VARIANTS``: (accuracy, Bayes ceiling)."""
     from ..tasks import make_task
-    from ..train import evaluate
+    from ..training.loop import evaluate
     _, model = store.load_model(cfg.run_id)
     out = {}
     for name in LENGTH_VARIANTS:

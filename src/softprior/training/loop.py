@@ -36,16 +36,16 @@ from typing import Callable
 import torch
 from torch.func import functional_call, stack_module_state, vmap
 
-from .model import fastpath
-from .config import RunConfig
-from .model.fastpath import model_forward
-from .model.transformer import SoftPriorTransformer, build_model  # noqa: F401 - build_model: re-exported (train.build_model)
-from .paths import PathConfig
-from .provenance import provenance
+from ..model import fastpath
+from ..config import RunConfig
+from ..model.fastpath import model_forward
+from ..model.transformer import SoftPriorTransformer, build_model
+from ..paths import PathConfig
+from ..provenance import provenance
 from .runtime import one_thread, prepare_training
-from .tasks import Task, make_task
+from ..tasks import Task, make_task
 
-__all__ = ["train", "train_runs", "Runs", "clip_per_run_", "RunResult", "build_model", "evaluate", "TrainingDiverged", "seeded_generator", "prior_dropped",
+__all__ = ["train", "train_runs", "Runs", "clip_per_run_", "RunResult", "evaluate", "TrainingDiverged", "seeded_generator", "prior_dropped",
            "step_gates", "with_dual_loss", "metrics_row", "check_finite"]
 
 

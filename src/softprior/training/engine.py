@@ -24,9 +24,9 @@ import json
 
 import torch
 
-from .model import fastpath
-from .config import RunConfig
-from .train import RunResult, train_runs
+from ..model import fastpath
+from ..config import RunConfig
+from .loop import RunResult, train_runs
 
 __all__ = ["train_group", "group_key"]
 
