@@ -298,7 +298,8 @@ def results_section(space, store, cands, robustness: str, sensitivity: str, step
         return ""
     best = members[0]
     five = bool(identified_at(space, cands))
-    title = "The identified model" if five else f"A further identification search, `{space.name}` (not registered)"
+    own = "The identified model" if space.name == f"{space.task}_identify" else f"The identified set of `{space.name}`"
+    title = own if five else f"A further identification search, `{space.name}` (not registered)"
     lines = [f"## {title} (ours: `docs/CALIBRATION.md`, \"Identification\")", "",
              f"Search space `{space.name}` (digest `{space.digest}`): {sum(c.status != 'infeasible' for c in cands)} "
              f"candidates measured; the identified set is {len(members)} configurations"
