@@ -117,7 +117,7 @@ def patch_train(monkeypatch, fn):
 
     train_mod = importlib.import_module("softprior.training.loop")
     orig = train_mod.train
-    for name in ("softprior.training.loop", "softprior.runner", "softprior.executors"):
+    for name in ("softprior.training.loop", "softprior.executors"):
         try:
             mod = importlib.import_module(name)
         except ImportError:

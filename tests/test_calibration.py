@@ -207,7 +207,7 @@ def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
     import softprior
     from softprior import load_results
     from softprior.preregistration import shipped_records
-    from softprior.runner import run
+    from softprior.executors import run
     store = RunStore(tmp_path / "s")
     s = run(make_run_config("assoc_recall", "fade600", 0, steps=4, eval_every=4, n_val=16), store)
     assert s["softprior_version"] == softprior.__version__
@@ -223,7 +223,7 @@ def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
     from softprior.preregistration import shipped_records
     from softprior.experiments import Cell
     from softprior.report import provenance_note
-    from softprior.runner import run
+    from softprior.executors import run
     store = RunStore(tmp_path / "s")
     cfgs = [make_run_config("assoc_recall", "unforced", k, steps=4, eval_every=4, n_val=16) for k in (0, 1)]
     for c in cfgs:
@@ -317,14 +317,15 @@ def _one_line_refusal(err, file):
 def test_shipped_records_verify_under_their_own_hash_scheme():
     from softprior.preregistration import all_shipped_records, record_hash
     recs = all_shipped_records()
-    assert len(recs) == 10
+    assert len(recs) == 11
     old = [r for r in recs if "hash_scheme" not in r]
     assert len(old) == 6  # written before v2: hash v1 (content and keys, not the time), their hashes unchanged
     assert all(record_hash(r) == r["hash"] for r in recs)
     assert {r["hash"] for r in old} >= {"31adace4006c89a3", "aa70d8db9a375838", "1266da7864a115c7"}
     v2 = {r["hash"]: r for r in recs if r.get("hash_scheme") == 2}  # the task-family records: their time is hashed
     assert set(v2) == {"8b3dafff745b0ccc", "5a07d4335cbcf438", "9669860e78b2d6c1",
-                       "68b0d67b9dec5dca"}  # and the identified set of assoc_recall_identify
+                       "68b0d67b9dec5dca",  # the identified set of assoc_recall_identify
+                       "019209dafaa98e79"}  # and of the blocked regime (assoc_recall_blocked)
     for new in v2.values():
         assert record_hash({**new, "registered_at": "2020-01-01T00:00:00Z"}) != new["hash"]
         assert new["claims"] and all(c["conditions"] for c in new["claims"])  # the predicates, registered

@@ -232,7 +232,7 @@ def cmd_train(args) -> int:
     from .config import make_run_config
     from .experiments import PAPER_STEPS
     from .paths import fits_budget, scale_to_budget, settles_at
-    from .runner import run
+    from .executors import run
     from .training.runtime import choose_threads
     from .model.transformer import build_model
 
@@ -1153,7 +1153,7 @@ class CliFailure(Exception):
 # nothing (an error whose module was never imported cannot have been raised). A failure is tried first
 # (StoreDamagedError is a StoreError).
 _FAILURES = (("softprior.cli", "CliFailure"), ("softprior.store.errors", "StoreDamagedError"),
-             ("softprior.runner", "RunFailedError"), ("softprior.tour", "TourError"))
+             ("softprior.executors", "RunFailedError"), ("softprior.tour", "TourError"))
 _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.store.errors", "StoreError"),  # a run or store not there, a store not writable
               ("softprior.paths", "UnknownPathError"), ("softprior.tasks", "UnknownTaskError"),

@@ -61,9 +61,9 @@ from typing import Callable
 
 from .config import RunConfig
 from .training.runtime import usable_cores
-from .store import RunStore
+from .store import RunStore, StoreError
 
-__all__ = ["execute", "sweep_plan", "SweepReport", "JobResult", "work", "choose_group_size", "group_sizes",
+__all__ = ["execute", "run", "RunFailedError", "sweep_plan", "SweepReport", "JobResult", "work", "choose_group_size", "group_sizes",
            "group_scaling", "GROUP_SCALING", "GROUP_SCALING_BY_MODEL", "save_group_scaling",
            "load_group_scaling", "SWEEP_CHECKPOINT_SECONDS"]
 
@@ -1049,7 +1049,6 @@ class _Ledger:
     def write(self, kind: str, name: str, seconds: float, flop: float = 0.0, runs: int = 0,
               started_at: float | None = None, host: str | None = None, version: str | None = None,
               detail: dict | None = None) -> None:
-        from .store import StoreError
         try:
             self.store.record_timing(kind, name, seconds, flop, runs, started_at, host, version or self.version(),
                                      self.gemm, detail)
@@ -1111,3 +1110,22 @@ def _collect(backend, store, report, failed_ids, sweep, on_result, ledger=None):
         ledger.job(cfgs, job)
     if sweep is not None:
         sweep.ended(cfgs, job.outs)
+
+
+# ------------------------------------------------------------------------------------ one run
+class RunFailedError(StoreError):
+    pass
+
+
+def run(cfg: RunConfig, store: RunStore, *, progress: bool = False, require_calibration: bool = True) -> dict:
+    """Ensure ``cfg`` is trained and stored; return its summary (``softprior train`` and the Python API).
+    It is a sweep of one (``execute``), so a single run, a local sweep and a Ray sweep share one code path:
+    finished runs are never trained again, derived runs (post hoc continuation) train their parent first,
+    and a run killed mid-way resumes from its last checkpoint. A prediction row needs a pre-registered
+    calibration record unless ``require_calibration=False`` (``store.record_clock.check_calibrated``)."""
+    if not store.is_done(cfg.run_id):
+        report = execute([cfg], store, progress=progress, sweep_bar=False, require_calibration=require_calibration)
+        if report.failed:
+            rid, err = report.failed[-1]
+            raise RunFailedError(f"run {rid} failed: {err.strip().splitlines()[0]}")
+    return store.summary(cfg.run_id)
