@@ -169,7 +169,7 @@ display(Image(filename=str(OUT / "curves.png")))
 # A stored run loads as a `SoftPriorTransformer`; any gate can be overridden at evaluation.
 
 # %% tags=["gates"]
-from softprior.tasks import make_task
+from softprior.tasks.generators import make_task
 from softprior.training.loop import evaluate
 
 models = {p: store.load_model(config(p, 0).run_id)[1] for p in PATHS}

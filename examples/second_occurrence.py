@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from softprior.task_configs import TaskConfigBase, register_task
-from softprior.tasks import Batch, Task
+from softprior.tasks.registry import TaskConfigBase, register_task
+from softprior.tasks.generators import Batch, Task
 
 
 class SecondOccurrenceConfig(TaskConfigBase):

@@ -9,7 +9,8 @@ import torch
 from softprior import analysis as A
 from softprior.config import make_run_config
 from softprior.model.transformer import ModelConfig, SoftPriorTransformer
-from softprior.tasks import AssocRecallConfig, Batch, MarkovConfig, make_task
+from softprior.tasks.generators import Batch, make_task
+from softprior.tasks.registry import AssocRecallConfig, MarkovConfig
 
 LN_S = math.sqrt(1 + 1e-5)  # nn.LayerNorm's eps: LN(x) = x / LN_S for a zero-mean, unit-variance x
 D, H, DH, V, T = 64, 4, 16, 32, 32

@@ -369,7 +369,7 @@ def test_a_short_run_gives_its_pinned_numbers_on_any_cpu(task):
 
 @pytest.mark.parametrize("task", ["assoc_recall", "markov", "linear_icl"])
 def test_the_first_batches_of_each_data_stream_are_pinned(task):
-    from softprior.tasks import make_task
+    from softprior.tasks.generators import make_task
     from softprior.training.loop import seeded_generator
     cfg = _pin_config(task)
     gen = seeded_generator(cfg.seed, 0)  # stream 0: the training data (train.Runs)

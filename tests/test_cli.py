@@ -103,7 +103,7 @@ def _by_hand(store, run_id, length, g_pos, g_content):
 
     from softprior.config import RunConfig
     from softprior.model.transformer import SoftPriorTransformer
-    from softprior.tasks import make_task
+    from softprior.tasks.generators import make_task
 
     d = __import__("pathlib").Path(store) / "runs" / run_id
     cfg = RunConfig.model_validate_json((d / "config.json").read_text())

@@ -13,7 +13,7 @@ import torch
 
 from softprior.analysis import continuation as C
 from softprior.config import make_run_config
-from softprior.tasks import make_task
+from softprior.tasks.generators import make_task
 from softprior.model.transformer import build_model
 
 # ------------------------------------------------------------------------------------ hand-built quadratics

@@ -99,7 +99,7 @@ def test_gate_override_evaluations_are_computed_from_weights(tmp_path, task):
 
     from softprior.experiments import NORMAL, ZERO, Eval
     from softprior.model.transformer import SoftPriorTransformer
-    from softprior.tasks import make_task
+    from softprior.tasks.generators import make_task
 
     cfg = tiny_config(task=task, steps=30)
     store = RunStore(tmp_path / "s")

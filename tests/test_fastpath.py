@@ -12,7 +12,7 @@ from torch.func import stack_module_state
 
 from softprior.config import make_run_config
 from softprior.model.fastpath import fast_forward, model_forward, supports
-from softprior.tasks import make_task
+from softprior.tasks.generators import make_task
 from softprior.model.transformer import build_model
 
 # markov-determined: loss on most positions, where the last layer runs the plain way (not re-associated)

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from softprior.flops import scheme_flops, train_step_flops
 from softprior.positional import make_scheme
-from softprior.tasks import make_task
+from softprior.tasks.generators import make_task
 
 from conftest import tiny_config
 

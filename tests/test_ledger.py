@@ -14,7 +14,7 @@ from softprior.cli import _record_report, main
 from softprior.executors import execute
 from softprior.provenance import code_version, provenance
 from softprior.store import RunStore
-from softprior.tasks import make_task
+from softprior.tasks.generators import make_task
 
 from conftest import tiny_config
 

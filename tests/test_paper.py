@@ -201,7 +201,7 @@ def test_verdict_table_follows_the_store(tmp_path):
     after = dict((cl.name, v) for cl, v, _ in verdicts(load_tables(tmp_path / "results")))
     assert after["fade keeps (base)"] == "reproduced"  # both seeds at .9: a degenerate interval above .77 x ceiling
     doc = write_results_doc(tmp_path / "results", tmp_path / "RESULTS.md", names=["removability"])
-    from softprior.tasks import make_task
+    from softprior.tasks.generators import make_task
     ceiling = make_task(cells[0].cfg.task).bayes_accuracy()[0]  # the registered default's
     assert f"0.900 >= {0.77 * ceiling:.3f} (= 0.77 x ceiling {ceiling:.3f})" in doc and "## removability" in doc
 

@@ -11,7 +11,8 @@ from softprior.paths import GateConfig, get_path, list_paths
 from softprior.positional import SCHEMES
 from softprior.registry import Registry
 from softprior.schedules import Constant
-from softprior.tasks import TASKS, UnknownTaskError
+from softprior.tasks.generators import TASKS
+from softprior.tasks.registry import UnknownTaskError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "softprior"
 
@@ -112,7 +113,7 @@ def test_the_import_graph_has_no_cycle():
 
 def test_membership_is_a_plain_question_not_an_error():
     from softprior.model.baselines import resolve_baseline
-    from softprior.tasks import TASKS
+    from softprior.tasks.generators import TASKS
     assert "assoc_recall" in TASKS and "no_such_task" not in TASKS
     from softprior.model.baselines import UnknownBaselineError
     with pytest.raises(UnknownBaselineError) as ei:  # the baseline error, not the scheme registry one
@@ -124,7 +125,7 @@ def test_a_task_or_prior_name_is_registered_once_unless_overwrite_is_asked():
     """``register_task`` and ``register_prior`` refuse a name already taken (a plugin cannot silently
     replace a built-in task or prior) and replace it only with ``overwrite=True``."""
     from softprior.model.priors import PRIORS, register_prior
-    from softprior.task_configs import TASK_SPECS, register_task, task_spec
+    from softprior.tasks.registry import TASK_SPECS, register_task, task_spec
     spec = task_spec("assoc_recall")
     with pytest.raises(ValueError, match="already registered"):
         register_task("assoc_recall", config=spec.config, generator=spec.generator, description="another")

@@ -118,7 +118,7 @@ def test_the_floor_is_copying_any_context_token():
     (S: Stirling numbers of the second kind)."""
     import math
 
-    from softprior.task_configs import task_config
+    from softprior.tasks.registry import task_config
     assert copy_floor(task_config("assoc_recall"), 32) == pytest.approx(1 / 20, abs=1e-12)
 
     def stirling2(n, k):

@@ -1,5 +1,5 @@
 """``softprior study`` and the two registries it rests on (src/softprior/study.py, priors.py, the task
-registry in task_configs.py, plugins.py), with the two worked examples of examples/, end to end at a
+registry in tasks/registry.py, plugins.py), with the two worked examples of examples/, end to end at a
 tiny size."""
 
 import json
@@ -54,7 +54,7 @@ def test_the_gaussian_window_is_the_bias_the_model_adds(plugins):
 
 def test_registries_name_their_entries_and_refuse_unknown_ones(plugins):
     from softprior.model.priors import PRIORS, UnknownPriorError
-    from softprior.task_configs import TASK_SPECS, UnknownTaskError, task_spec
+    from softprior.tasks.registry import TASK_SPECS, UnknownTaskError, task_spec
     assert list(PRIORS)[0] == "soft" and {"alibi", "t5", "gaussian_window"} <= set(PRIORS)
     assert {"assoc_recall", "markov", "linear_icl", "second_occurrence"} <= set(TASK_SPECS)
     assert task_spec("second_occurrence").plugin == str(SECOND)
@@ -85,7 +85,7 @@ def test_plugin_configs_reach_a_spawned_worker(plugins, monkeypatch):
     from softprior.config import make_run_config
     cfg = make_run_config("second_occurrence", "unforced", 3, task_options={"vocab": 24},
                           model_options={"prior_family": "gaussian_window"})
-    code = ("import pickle, sys, torch; from softprior.tasks import make_task; from softprior.model.transformer import build_model; "
+    code = ("import pickle, sys, torch; from softprior.tasks.generators import make_task; from softprior.model.transformer import build_model; "
             "c = pickle.load(sys.stdin.buffer); b = make_task(c.task).sample(4, 32, torch.Generator().manual_seed(0)); "
             "m = build_model(c); print(c.run_id, bool(b.inputs.max() < 24), type(m.blocks[0].attn.prior_module).__name__)")
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(cfg), capture_output=True, timeout=300,

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from softprior.config import make_run_config
-from softprior.tasks import make_task, task_config
+from softprior.tasks.generators import make_task
+from softprior.tasks.registry import task_config
 
 
 def gen(seed):
@@ -196,7 +197,7 @@ def test_linear_icl_references():
     seq = torch.zeros(1, 2, 3)
     seq[0, 0] = torch.tensor([1.0, 0.0, 2.0])
     seq[0, 1, :2] = torch.tensor([1.0, 0.0])
-    from softprior.tasks import Batch
+    from softprior.tasks.generators import Batch
     r = tt.reference_mse(Batch(seq, torch.tensor([[2.0]])))
     assert r["least_squares"] == pytest.approx(0.0, abs=1e-12) and r["gd_step"] == pytest.approx(0.0, abs=1e-12)
 

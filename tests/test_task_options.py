@@ -1,5 +1,5 @@
 """The task-design options of the calibration search (issue 14): each option's layout is checked
-against the specification in ``tasks.py``'s docstring with code written here, and each is tested for
+against the specification in ``tasks/generators.py``'s docstring with code written here, and each is tested for
 shortcuts the way the default task is (``test_tasks.py``): order-free heuristics score chance."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 from softprior.config import make_run_config
 from softprior.model.transformer import ModelConfig, initial_pos_bias
-from softprior.tasks import make_task, task_config
+from softprior.tasks.generators import make_task
+from softprior.tasks.registry import task_config
 
 
 def gen(seed):

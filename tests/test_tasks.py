@@ -10,10 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from softprior.tasks import (
-    AssocRecallConfig, Batch, LinearICL, UnknownTaskError, list_tasks, make_task,
-    task_config,
-)
+from softprior.tasks.generators import Batch, LinearICL, list_tasks, make_task
+from softprior.tasks.registry import AssocRecallConfig, UnknownTaskError, task_config
 
 
 def gen(seed: int) -> torch.Generator:
@@ -73,7 +71,7 @@ def test_task_config_errors():
 
 def test_list_tasks():
     """The three built-in tasks; a plugin's (registered by another test in this process) is listed beside them."""
-    from softprior.task_configs import TASK_SPECS
+    from softprior.tasks.registry import TASK_SPECS
     names = [n for n, _ in list_tasks()]
     assert {n for n in names if TASK_SPECS[n].plugin is None} == {"assoc_recall", "markov", "linear_icl"}
     assert len(names) == len(set(names)) == len(TASK_SPECS)

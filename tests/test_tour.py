@@ -98,7 +98,7 @@ def test_setup_and_training(executed):
 
 def test_contrast_table(executed):
     from softprior import make_run_config
-    from softprior.tasks import make_task
+    from softprior.tasks.generators import make_task
     lines = _stdout(executed, "contrast-table").splitlines()
     for p in PATHS:
         rows = [ln for ln in lines if ln.split() and ln.split()[0] == p]
@@ -200,7 +200,7 @@ def test_tour_text_matches_the_ceiling():
     import jupytext
 
     from softprior import make_run_config
-    from softprior.tasks import make_task
+    from softprior.tasks.generators import make_task
     text = " ".join(c.source for c in jupytext.read(ROOT / "docs" / "tour.py").cells if c.cell_type == "markdown")
     text = " ".join(text.replace("#", " ").split())
     ceiling = make_task(make_run_config("assoc_recall").task).bayes_accuracy()[0]

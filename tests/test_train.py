@@ -13,7 +13,7 @@ import softprior.executors as runner_mod
 from conftest import state_dicts_equal, tiny_config
 from softprior.paths import GateConfig, PathConfig, get_path
 from softprior.schedules import Fade, HardSwitch
-from softprior.tasks import make_task
+from softprior.tasks.generators import make_task
 from softprior.model.transformer import build_model
 from softprior.training.loop import train
 

@@ -296,7 +296,7 @@ def _check_length(length: int, cfg, model) -> None:
 def cmd_eval(args) -> int:
     import torch
 
-    from .tasks import make_task
+    from .tasks.generators import make_task
     from .training.loop import evaluate
 
     gp, gc = parse_gates(args.gates)
@@ -396,7 +396,7 @@ def _paper(args, train: bool) -> int:
         tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
         opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks, record=args.record)
         names, exploratory = (ON_RECORD if opts.record else PAPER + OURS), args.exploratory
-        if args.only:
+        if getattr(args, "only", None):  # reproduce only
             only = [n.strip() for n in args.only.split(",") if n.strip()]
             bad = [n for n in only if n not in names]
             if bad:
@@ -844,7 +844,7 @@ def cmd_tasks(args) -> int:
     closed form: Markov at each p, linear ICL's least squares, Bayes ridge and one GD step)."""
     from .plugins import load_plugin
     from .preregistration import default_options
-    from .task_configs import TASK_CONFIGS, describe_tasks
+    from .tasks.registry import TASK_CONFIGS, describe_tasks
     for f in args.plugin or []:
         load_plugin(f)
     defaults = {t: default_options(t)[0] for t in TASK_CONFIGS}
@@ -853,7 +853,8 @@ def cmd_tasks(args) -> int:
         return 0
     import torch
 
-    from .tasks import make_task, task_config
+    from .tasks.generators import make_task
+    from .tasks.registry import task_config
     print("\nmeasured on the registered defaults (Monte Carlo: seed 0, standard error beside):")
     for name, opts in defaults.items():
         if name == "linear_icl":
@@ -1029,7 +1030,7 @@ def _add_reproduce_args(r) -> None:
 
 def _add_calibrate_parser(sub) -> None:
     """``softprior calibrate``: the search, pre-registration and the robustness map."""
-    from .task_configs import TASK_SPECS  # no torch
+    from .tasks.registry import TASK_SPECS  # no torch
     c = sub.add_parser("calibrate", help="search task design and initialisation against the difficulty rows "
                        "(Optuna), pre-register the choice, map the claims' robustness")
     c.add_argument("task", choices=list(TASK_SPECS), help="a registered task")
@@ -1156,7 +1157,7 @@ _FAILURES = (("softprior.cli", "CliFailure"), ("softprior.store.errors", "StoreD
              ("softprior.executors", "RunFailedError"), ("softprior.tour", "TourError"))
 _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.store.errors", "StoreError"),  # a run or store not there, a store not writable
-              ("softprior.paths", "UnknownPathError"), ("softprior.tasks", "UnknownTaskError"),
+              ("softprior.paths", "UnknownPathError"), ("softprior.tasks.registry", "UnknownTaskError"),
               ("softprior.model.transformer", "UnknownModelError"), ("softprior.model.baselines", "UnknownBaselineError"),
               ("softprior.positional.base", "UnknownSchemeError"),
               ("softprior.experiments", "UnknownExperimentError"), ("softprior.experiments", "UnknownTaskFilterError"),

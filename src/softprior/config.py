@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from .model.config import ModelConfig, model_preset
 from .paths import PathConfig, get_path
 from .preregistration import LATER_DEFAULTS, default_options, without_later_defaults
-from .task_configs import task_config, task_spec, validate_task_config
+from .tasks.registry import task_config, task_spec, validate_task_config
 
 __all__ = ["RunConfig", "make_run_config", "config_hash", "validation_message", "NON_SEMANTIC_FIELDS"]
 
@@ -52,7 +52,7 @@ def validation_message(e: Exception) -> str:
 class RunConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    task: Annotated[Any, BeforeValidator(validate_task_config)]  # a registered task's config (task_configs)
+    task: Annotated[Any, BeforeValidator(validate_task_config)]  # a registered task's config (tasks.registry)
     model: ModelConfig
     path: PathConfig
     seed: int = Field(0, ge=0)
@@ -88,7 +88,7 @@ class RunConfig(BaseModel):
         (default the training context) from ``val_seed``, the same for every run that shares them."""
         import torch
 
-        from .tasks import make_task
+        from .tasks.generators import make_task
         task = task if task is not None else make_task(self.task)
         return task.sample(n or self.n_val, length or self.model.n_ctx, torch.Generator().manual_seed(self.val_seed))
 

@@ -62,7 +62,7 @@ def train_step_flops(cfg) -> float:
     m, B, T = cfg.model, cfg.batch_size, cfg.model.n_ctx
     d, H, r, L = m.d_model, m.n_heads, m.content_rank, m.n_layers
     dh, V = m.d_head, m.vocab
-    from .tasks import make_task
+    from .tasks.generators import make_task
     P = len(make_task(cfg.task).loss_positions(T))
     fwd = 0.0
     for layer in range(L):

@@ -271,7 +271,7 @@ def record_keys(rec: dict) -> set[str]:
 def needs_record(cfg) -> bool:
     """Whether ``cfg`` is a prediction row of the soft-prior model (any prior family): a path other
     than the difficulty rows, with the prior on and no static scheme. Of every registered task: a run
-    config's task is validated by the task registry (``task_configs.TASK_SPECS``), so a task a plugin
+    config's task is validated by the task registry (``tasks.registry.TASK_SPECS``), so a task a plugin
     registers needs a record as the paper's three do (this module imports nothing of the package, so
     it does not name the tasks, nor asks the registry again)."""
     return cfg.path.name not in DIFFICULTY_PATHS and cfg.model.prior and cfg.model.positional == "none"

@@ -67,7 +67,7 @@ def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = N
 
 
 def _evaluate_weights(store, cell: Cell, ev: Eval, m: str, _cache: dict | None) -> float:
-    from .tasks import make_task
+    from .tasks.generators import make_task
     from .training.loop import evaluate
     cfg = cell.cfg
     key = cfg.run_id
@@ -118,7 +118,7 @@ def task_ceiling(task_cfg) -> float:
     ceiling once per configuration; nan for linear ICL, whose metric is an MSE)."""
     import math
 
-    from .tasks import make_task
+    from .tasks.generators import make_task
     task = make_task(task_cfg)
     return float(task.bayes_accuracy()[0]) if hasattr(task, "bayes_accuracy") else math.nan
 
@@ -209,7 +209,7 @@ def _per_seed(long) -> dict[tuple[str, str], list[float]]:
 def chance_levels(store: RunStore, cells: list[Cell]) -> dict[tuple[str, str], float]:
     """(row, column label) -> the task's chance level for that evaluation (its length's, for an
     evaluation at another length): what the figures draw as the chance line."""
-    from .tasks import make_task
+    from .tasks.generators import make_task
     out, tasks = {}, {}
     for cell in cells:
         if not store.is_done(cell.cfg.run_id):
@@ -246,8 +246,8 @@ def _copy_floor(task_json: str, length: int, n: int, seed: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from .task_configs import task_config
-    from .tasks import make_task
+    from .tasks.registry import task_config
+    from .tasks.generators import make_task
     opts = json.loads(task_json)
     task = make_task(task_config(opts.pop("name"), **opts))
     if getattr(task, "input_kind", None) != "tokens" or task.metric != "acc":

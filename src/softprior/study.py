@@ -1,7 +1,7 @@
 """``softprior study``: the paper's method, end to end, on a researcher's own prior and task
 (docs/STUDY.md, "Your own prior or task").
 
-Given a registered task (``task_configs.TASK_SPECS``) and prior family (``priors.PRIORS``), built in or
+Given a registered task (``tasks.registry.TASK_SPECS``) and prior family (``priors.PRIORS``), built in or
 from a plugin file, one resumable command runs, in order (each stage idempotent, so a killed study
 resumes where it stopped; the store keeps every finished run):
 
@@ -96,7 +96,7 @@ def task_levels(task: str, task_options: dict, model_options: dict | None = None
     the generator's chance level and its Bayes ceiling (``bayes_accuracy``) where it has one, else 1
     for accuracy and the best reference (``reference_mse``, else 0) for an MSE."""
     from .config import make_run_config
-    from .tasks import make_task
+    from .tasks.generators import make_task
     cfg = make_run_config(task, "unforced", 0, task_options=task_options, model_options=model_options)
     t = make_task(cfg.task)
     if hasattr(t, "bayes_accuracy"):
@@ -157,7 +157,7 @@ def study_claims(metric: str, chance: float, ceiling: float) -> list[PaperClaim]
 def _task_space(task: str) -> dict:
     """The task's search space as SearchSpace fields: its entry's, else the shipped ``spaces/<task>.toml``."""
     from .calibration.space import load_space, shipped_spaces
-    from .task_configs import task_spec
+    from .tasks.registry import task_spec
     spec = task_spec(task).space
     if isinstance(spec, dict):
         return dict(spec)
@@ -331,7 +331,7 @@ def run_study(plan: StudyPlan, store, log=print) -> Path:
 def _task_criteria(task: str) -> list[Criterion] | None:
     """A plugin task's own difficulty criteria (``register_task(difficulty=...)``); None for the rest:
     the built-ins' criteria are the paper's numbers for the paper's prior, so a study states its defaults."""
-    from .task_configs import task_spec
+    from .tasks.registry import task_spec
     spec = task_spec(task)
     if spec.plugin is None or spec.difficulty is None:
         return None

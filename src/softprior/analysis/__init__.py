@@ -281,7 +281,7 @@ def trace(snapshots: Sequence[tuple[int, dict[str, torch.Tensor]]], cfg, batch=N
     ``n_examples``, from ``cfg.val_seed`` at length ``cfg.model.n_ctx``), the same for every step."""
     import pandas as pd
 
-    from ..tasks import make_task
+    from ..tasks.generators import make_task
 
     task = task if task is not None else make_task(cfg.task)
     if batch is None:

@@ -944,7 +944,7 @@ class _TraceContext:
 
     def __init__(self, snaps, cfg, circuit, batch, n_examples, damping, max_iter, method, n_control, step_offset,
                  task, tol=TOL, curvature="ggn", rel_damping=REL_DAMPING):
-        from ..tasks import make_task
+        from ..tasks.generators import make_task
         from . import _strip_state
         if curvature not in CURVATURES:  # raised here, before any snapshot is measured
             raise ValueError(f"unknown curvature {curvature!r}; allowed: {', '.join(CURVATURES)}")

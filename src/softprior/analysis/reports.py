@@ -249,7 +249,7 @@ def _circuits(store, done, n_examples: int, threshold: float) -> dict[tuple, tup
     """(task, d_model, seed) -> (circuit heads, the row they were read from): ``circuit_heads`` at the
     final weights of that seed's fade600 run (any run of it where there is none), asked of the source."""
     from .continuation import circuit_heads
-    from ..tasks import make_task
+    from ..tasks.generators import make_task
     circuits: dict[tuple, tuple[list, str]] = {}
     for c in done:
         if _trace_key(c) in circuits:

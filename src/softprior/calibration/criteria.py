@@ -166,7 +166,7 @@ def identification_criteria(task: str, model: str = "base", hard: list | None = 
     search); the task's own identification criteria are declared for the base size. ``reads``: row name ->
     the read a search declares for it instead of the row's (the constant gate's "normal" at g = .5)."""
     from ..tiers import MATCH_Z, rows_for
-    from ..task_configs import task_spec
+    from ..tasks.registry import task_spec
     hard = [c for c in declared_criteria(task) if c.stat == "each"] if hard is None else list(hard)
     own = [c if isinstance(c, Criterion) else Criterion.model_validate(c) for c in task_spec(task).identification]
     accuracy = [Criterion(name=f"{row.key} normal (paper {paper:g})", row=row, gates="normal", target=paper,
@@ -203,10 +203,10 @@ def criteria_for(task: str, identify: bool = False) -> list[Criterion]:
 
 
 def declared_criteria(task: str) -> list[Criterion]:
-    """A task's difficulty criteria: those its task-registry entry declares (``task_configs.TaskSpec``:
+    """A task's difficulty criteria: those its task-registry entry declares (``tasks.registry.TaskSpec``:
     a plugin task's, as ``Criterion`` objects or their dicts), else the built-ins' ``DIFFICULTY``.
     ValueError for a registered task that declares none (``softprior study`` then states its defaults)."""
-    from ..task_configs import task_spec
+    from ..tasks.registry import task_spec
     spec = task_spec(task)
     if spec.difficulty is not None:
         return [c if isinstance(c, Criterion) else Criterion.model_validate(c) for c in spec.difficulty]

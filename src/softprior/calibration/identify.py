@@ -207,7 +207,7 @@ def member_entry(space, c) -> dict:
 
 def length_variants(store, cfg, length: int = 120) -> dict[str, tuple[float, float]]:
     """A stored unforced run at ``length`` under each of ``LENGTH_VARIANTS``: (accuracy, Bayes ceiling)."""
-    from ..tasks import make_task
+    from ..tasks.generators import make_task
     from ..training.loop import evaluate
     _, model = store.load_model(cfg.run_id)
     out = {}

@@ -57,8 +57,8 @@ def candidate_reference(space, c) -> str:
     of gradient descent (on 2,048 sequences, seed 0); "-" where the task options are infeasible."""
     import torch
 
-    from ..task_configs import task_spec
-    from ..tasks import make_task
+    from ..tasks.registry import task_spec
+    from ..tasks.generators import make_task
     from .search import candidate_configs, ceiling
     try:
         if _metric(space) == "mse" and hasattr(task_spec(space.task).task_class(), "reference_mse"):
@@ -75,7 +75,7 @@ def candidate_reference(space, c) -> str:
 
 def _metric(space) -> str:
     """The metric of the space's task ("acc" or "mse"), from its generator (the task registry)."""
-    from ..task_configs import task_spec
+    from ..tasks.registry import task_spec
     return task_spec(space.task).task_class().metric
 
 

@@ -75,7 +75,7 @@ def candidate_configs(space: SearchSpace, t_opts: dict, m_opts: dict, seeds, row
 def ceiling(space: SearchSpace, t_opts: dict, m_opts: dict, row: Row | None = None) -> tuple[float, float]:
     """The Bayes ceiling (value, standard error) of a candidate's task at ``row``'s task options
     (token tasks; ``Task.bayes_accuracy``), nan for linear ICL (its references are MSEs)."""
-    from ..tasks import make_task
+    from ..tasks.generators import make_task
     row = row or space.rows()[0]
     cfg = candidate_configs(space, t_opts, m_opts, [0], rows=[row])[0][2]
     task = make_task(cfg.task)

@@ -50,7 +50,7 @@ class SearchSpace(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    task: str = Field(description="a registered task (task_configs.TASK_SPECS)")
+    task: str = Field(description="a registered task (tasks.registry.TASK_SPECS)")
     model: Literal["base", "large"] = "base"
     sampler: Literal["tpe", "grid", "random"] = "tpe"
     sampler_seed: int = 0
@@ -79,7 +79,7 @@ class SearchSpace(BaseModel):
     @field_validator("task")
     @classmethod
     def _check_task(cls, v):
-        from ..task_configs import UnknownTaskError, task_spec
+        from ..tasks.registry import UnknownTaskError, task_spec
         try:
             task_spec(v)
         except UnknownTaskError as e:
@@ -97,7 +97,7 @@ class SearchSpace(BaseModel):
     @field_validator("axes")
     @classmethod
     def _check_axes(cls, v, info):
-        from ..task_configs import TASK_SPECS
+        from ..tasks.registry import TASK_SPECS
         spec = TASK_SPECS.get(info.data.get("task", ""))
         task_axes = TASK_AXES if spec is None or spec.plugin is None else set(spec.search_axes)
         for key, values in v.items():

@@ -43,7 +43,7 @@ from ..model.transformer import SoftPriorTransformer, build_model
 from ..paths import PathConfig
 from ..provenance import provenance
 from .runtime import one_thread, prepare_training
-from ..tasks import Task, make_task
+from ..tasks.generators import Task, make_task
 
 __all__ = ["train", "train_runs", "Runs", "clip_per_run_", "RunResult", "evaluate", "TrainingDiverged", "seeded_generator", "prior_dropped",
            "step_gates", "with_dual_loss", "metrics_row", "check_finite"]

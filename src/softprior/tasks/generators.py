@@ -1,7 +1,7 @@
 """The paper's three tasks (Sec. 4), each a seeded batch generator with a loss, a metric and a
 stated chance level. Generators take an explicit ``torch.Generator``; no global random state.
 Every task, these three and any a plugin registers, has one entry in the task registry
-(``task_configs.TASK_SPECS``, also ``TASKS`` here); ``make_task`` builds a config's generator from it.
+(``tasks.registry.TASK_SPECS``, also ``TASKS`` here); ``make_task`` builds a config's generator from it.
 
 Associative recall (our own generator, in the spirit of zoology's MQAR):
     [PAD ... PAD, k1 v1 k2 v2 ... kn vn, q]  ->  target v_i where k_i = q.
@@ -83,11 +83,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .task_configs import (TASK_CONFIGS, TASK_SPECS, AssocRecallConfig, LinearICLConfig, MarkovConfig,  # noqa: F401
-                           TaskConfig, UnknownTaskError, task_config, task_spec)
+from .registry import TASK_SPECS, LinearICLConfig, MarkovConfig, task_spec
 
-__all__ = ["AssocRecallConfig", "MarkovConfig", "LinearICLConfig", "TaskConfig", "Batch", "Task",
-           "make_task", "TASKS", "list_tasks", "UnknownTaskError"]
+__all__ = ["Batch", "Task", "make_task", "TASKS", "list_tasks"]
 
 
 @dataclass
@@ -510,16 +508,13 @@ class LinearICL(Task):
         return LinearICL(LinearICLConfig(d=d)).reference_mse(batch)["least_squares"]
 
 
-TASKS = TASK_SPECS  # the task registry (``task_configs``): name -> TaskSpec
+TASKS = TASK_SPECS  # the task registry (``tasks.registry``): name -> TaskSpec
 
 
 def make_task(cfg) -> Task:
-    """The generator of a task config, by its registry entry (``task_configs.task_spec``)."""
+    """The generator of a task config, by its registry entry (``tasks.registry.task_spec``)."""
     return task_spec(cfg.name).task_class()(cfg)
 
 
 def list_tasks() -> list[tuple[str, str]]:
     return TASKS.listing()
-
-
-__all__ += ["task_config"]

@@ -1,5 +1,5 @@
 """The tasks' configurations (docs/DESIGN.md, "Tasks"; the generators and their options are described
-in ``tasks.py``), validated by pydantic. Kept apart from ``tasks.py`` so that configs, run ids and
+in ``tasks/generators.py``), validated by pydantic. Kept apart from ``tasks/generators.py`` so that configs, run ids and
 ``softprior tasks`` need no torch. ``AssocRecallConfig.ceiling`` is the associative-recall Bayes
 ceiling in closed form (``tasks.AssocRecall.bayes_accuracy`` derives it).
 
@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .registry import Registry
+from ..registry import Registry
 
 __all__ = ["AssocRecallConfig", "MarkovConfig", "LinearICLConfig", "TaskConfig", "UnknownTaskError",
            "TASK_CONFIGS", "task_config", "describe_tasks", "TaskConfigBase", "TaskSpec", "TASK_SPECS",
@@ -238,9 +238,9 @@ def register_task(name: str, *, config: type, generator, description: str, io: s
                   overwrite: bool = False) -> TaskSpec:
     """Register a task (module docstring). Refuses a config class that is not a ``TaskConfigBase``
     (its instances must reach worker processes) or whose ``name`` does not default to ``name``."""
-    from .plugins import current_plugin
+    from ..plugins import current_plugin
     if not (isinstance(config, type) and issubclass(config, TaskConfigBase)):
-        raise TypeError(f"task {name!r}: config must subclass softprior.task_configs.TaskConfigBase")
+        raise TypeError(f"task {name!r}: config must subclass softprior.tasks.registry.TaskConfigBase")
     field = config.model_fields.get("name")
     if field is None or field.default != name:
         raise ValueError(f"task {name!r}: its config's 'name' field must default to {name!r} (Literal[{name!r}])")
@@ -258,7 +258,7 @@ def task_spec(name: str) -> TaskSpec:
     files it was started with (``plugins.load_noted_plugins``: a worker process) before
     ``UnknownTaskError``."""
     if name not in TASK_SPECS:
-        from .plugins import load_noted_plugins
+        from ..plugins import load_noted_plugins
         load_noted_plugins()
     return TASK_SPECS[name]
 
@@ -277,7 +277,7 @@ def validate_task_config(value):
     name = getattr(value, "name", None)
     if isinstance(name, str) and name in TASK_SPECS and isinstance(value, TASK_SPECS[name].config):
         return value
-    raise ValueError(f"not a registered task's config: {type(value).__name__} (softprior.task_configs.register_task)")
+    raise ValueError(f"not a registered task's config: {type(value).__name__} (softprior.tasks.registry.register_task)")
 
 
 class _ConfigView(Mapping):
@@ -299,9 +299,9 @@ class _ConfigView(Mapping):
 
 TASK_CONFIGS = _ConfigView()
 
-register_task("assoc_recall", config=AssocRecallConfig, generator="softprior.tasks:AssocRecall",
+register_task("assoc_recall", config=AssocRecallConfig, generator="softprior.tasks.generators:AssocRecall",
               description="key/value pairs then a query key; predict its value (acc)")
-register_task("markov", config=MarkovConfig, generator="softprior.tasks:Markov",
+register_task("markov", config=MarkovConfig, generator="softprior.tasks.generators:Markov",
               description="Markov induction: per-sequence successor map, repeat prob p (acc)")
-register_task("linear_icl", config=LinearICLConfig, generator="softprior.tasks:LinearICL", io="vectors",
+register_task("linear_icl", config=LinearICLConfig, generator="softprior.tasks.generators:LinearICL", io="vectors",
               description="in-context linear regression, Garg et al. 2022 (query MSE / E[y^2])")
