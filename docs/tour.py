@@ -189,7 +189,7 @@ for p, model in models.items():
 # interactively.)
 
 # %% tags=["attention"]
-from softprior.analysis import attention_patterns
+from softprior.analysis.mechanism import attention_patterns
 
 L, H = cfg.model.n_layers, cfg.model.n_heads
 fig, axes = plt.subplots(len(PATHS), L * H, figsize=(1.7 * L * H, 1.9 * len(PATHS)), squeeze=False)
@@ -229,7 +229,7 @@ except ImportError as e:
 # gate fades is carrying the zero-gate circuit.
 
 # %% tags=["trace"]
-from softprior.analysis import trace, trace_matrix
+from softprior.analysis.mechanism import trace, trace_matrix
 
 df = trace(store.load_snapshots(traced.run_id), traced, n_examples=128)
 imp = trace_matrix(df, "ablation_importance")

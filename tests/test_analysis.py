@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from softprior import analysis as A
+from softprior.analysis import mechanism as A
 from softprior.config import make_run_config
 from softprior.model.transformer import ModelConfig, SoftPriorTransformer
 from softprior.tasks.generators import Batch, make_task
@@ -305,7 +305,7 @@ def test_an_ablation_crossing_counts_only_above_noise():
     number of examples, the threshold alone."""
     import pandas as pd
 
-    from softprior.analysis import summarise_trace
+    from softprior.analysis.mechanism import summarise_trace
     rows = [{"step": s, "layer": 0, "head": 0, "successor_mass": 0.0, "ablation_importance": d, "base_score": 0.1}
             for s, d in ((600, 0.0), (1200, 0.033), (1800, 0.07))]
     df = pd.DataFrame(rows)

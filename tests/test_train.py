@@ -355,7 +355,7 @@ def test_a_group_with_snapshots_refuses_checkpoints_it_could_not_resume():
 
 
 def test_a_single_runs_checkpoint_feeds_the_analysis():
-    from softprior import analysis as A
+    from softprior.analysis import mechanism as A
     cfg = tiny_config(checkpoint_every=10)
     ckpts = []
     res = train(cfg, on_checkpoint=ckpts.append)

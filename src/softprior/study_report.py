@@ -92,15 +92,15 @@ def _figures(plan, store, rows, levels) -> list[str]:
 
 
 def _mechanism(plan, store, rows) -> str:
-    """The fade's mechanism trace at zero gate (``analysis.trace``: per head, successor-value mass and
+    """The fade's mechanism trace at zero gate (``analysis.mechanism.trace``: per head, successor-value mass and
     mean-ablation importance over the stored snapshots, on ``plan.trace_examples`` validation examples,
-    at most ``_SNAPSHOTS`` snapshots evenly spaced), summarised per seed (``analysis.summarise_trace``)
+    at most ``_SNAPSHOTS`` snapshots evenly spaced), summarised per seed (``analysis.mechanism.summarise_trace``)
     and drawn as trace.png; trace_seedS.csv holds every number."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .analysis import summarise_trace, trace, trace_matrix
+    from .analysis.mechanism import summarise_trace, trace, trace_matrix
     done = [cfg for label, _, cfg in rows if label == "fade600" and cfg.snapshot_every and store.is_done(cfg.run_id)]
     if not done:
         return "No fade run with snapshots is stored yet."

@@ -582,7 +582,7 @@ class ParamLayout:
         return slice(o, o + self.shapes[name].numel())
 
     def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        from . import _strip_state
+        from .mechanism import _strip_state
         tensors = _strip_state(tensors)
         return torch.cat([tensors[n].detach().reshape(-1) for n in self.names])
 
@@ -712,7 +712,7 @@ def circuit_heads(model: SoftPriorTransformer, task, batch, threshold: float = 0
     """The heads that carry the zero-gate circuit: zero-gate mean-ablation importance
     (``ablation_importance``, DESIGN.md "Mechanism traces") >= ``threshold``, largest first, at most ``max_heads``
     (default half of all heads), and at least the top head."""
-    from . import ablation_importance
+    from .mechanism import ablation_importance
     imp = ablation_importance(model, task, batch, (0.0, 0.0))
     L, H = imp.shape
     cap = max_heads if max_heads is not None else max(1, (L * H) // 2)
@@ -945,7 +945,7 @@ class _TraceContext:
     def __init__(self, snaps, cfg, circuit, batch, n_examples, damping, max_iter, method, n_control, step_offset,
                  task, tol=TOL, curvature="ggn", rel_damping=REL_DAMPING):
         from ..tasks.generators import make_task
-        from . import _strip_state
+        from .mechanism import _strip_state
         if curvature not in CURVATURES:  # raised here, before any snapshot is measured
             raise ValueError(f"unknown curvature {curvature!r}; allowed: {', '.join(CURVATURES)}")
         self.cfg = cfg

@@ -31,7 +31,7 @@ def mechanism_report(store: RunStore, cells: list[Cell], out: Path, mass_thresho
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from . import summarise_trace, trace, trace_matrix
+    from .mechanism import summarise_trace, trace, trace_matrix
     from ..schedules import Fade
     done = [c for c in cells if store.is_done(c.cfg.run_id)]
     if not done:
@@ -156,7 +156,7 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
 
 
 # the modules whose code decides a continuation trace's numbers: a change to any of them recomputes it
-_TRACE_SOURCES = ("analysis/continuation.py", "analysis/__init__.py", "model.py", "tasks.py")
+_TRACE_SOURCES = ("analysis/continuation.py", "analysis/mechanism.py", "model/transformer.py", "tasks/generators.py")
 
 
 def _cached_traces(store, jobs: list[tuple], workers: int = 1) -> list:
