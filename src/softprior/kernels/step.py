@@ -22,7 +22,7 @@ from functools import lru_cache
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..model.transformer import ModelConfig
+from ..model.config import ModelConfig
 
 __all__ = ["supports", "why_not", "step_logits", "param_names", "enabled"]
 
