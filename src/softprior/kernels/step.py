@@ -22,8 +22,6 @@ from functools import lru_cache
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..model.config import ModelConfig
-
 __all__ = ["supports", "why_not", "step_logits", "param_names", "enabled"]
 
 def enabled() -> bool:
@@ -35,12 +33,13 @@ def enabled() -> bool:
     return available()
 
 
-def supports(cfg: ModelConfig, tokens: bool, T: int, P: int) -> bool:
-    """Whether ``step_logits`` computes this model at context T with P loss positions."""
+def supports(cfg, tokens: bool, T: int, P: int) -> bool:
+    """Whether ``step_logits`` computes this model (``cfg``: its ``model.config.ModelConfig``, read for its
+    fields only: the kernels import nothing of the model) at context T with P loss positions."""
     return why_not(cfg, tokens, T, P) is None
 
 
-def why_not(cfg: ModelConfig, tokens: bool, T: int, P: int) -> str | None:
+def why_not(cfg, tokens: bool, T: int, P: int) -> str | None:
     """Why ``step_logits`` does not compute this model at context T with P loss positions (None: it does)."""
     family = getattr(cfg, "prior_family", "soft")
     for bad, why in ((not tokens, "the task's inputs are vectors, not tokens"),
@@ -90,7 +89,7 @@ class _Step(torch.autograd.Function):
         return (None, grads[-2], grads[-1], *grads[:-2])
 
 
-def step_logits(params: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Tensor, g_pos: torch.Tensor,
+def step_logits(params: dict[str, torch.Tensor], cfg, tokens: torch.Tensor, g_pos: torch.Tensor,
                 g_content: torch.Tensor, positions: tuple[int, ...]) -> torch.Tensor:
     """[K, B, P, vocab] logits of K runs (``fastpath.fast_forward``'s contract): params run-stacked
     [K, ...]; tokens [K, B, T] or [B, T] (shared); g_pos, g_content [K, L, H]; positions the loss positions."""
