@@ -369,6 +369,44 @@ def _from_bundle(args):
             args.exploratory or bool(m.get("exploratory")))
 
 
+def _only(args, names: list[str]) -> list[str]:
+    """The paper's experiments ``names``, those of ``reproduce paper --only`` alone where it is given."""
+    if not getattr(args, "only", None):  # reproduce only
+        return names
+    only = [n.strip() for n in args.only.split(",") if n.strip()]
+    bad = [n for n in only if n not in names]
+    if bad:
+        raise CliError(f"--only: {', '.join(map(repr, bad))} not among the experiments of 'paper' here "
+                       f"({', '.join(names)})")
+    return [n for n in names if n in only]
+
+
+def _paper_sweep(args, store, cfgs) -> int:
+    """One training sweep of the paper; how many runs failed."""
+    from .executors import execute
+    t0 = time.perf_counter()
+    report = execute(cfgs, store, executor=args.executor, workers=args.workers, group_size=args.group,
+                     address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
+    print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    return len(report.failed)
+
+
+def _check_paper_args(args) -> None:
+    if args.seeds is not None and args.seeds < 1:
+        raise CliError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.workers < 1:
+        raise CliError(f"--workers must be >= 1, got {args.workers}")
+    _doc_file(getattr(args, "calibration_doc", None), "--calibration-doc")
+
+
+def _splice_verdicts(readme, out) -> None:
+    """The README's answer: the verdicts in plain words, then the same claims on every record whose tables ran."""
+    from .paper import cross_regime_summary, load_tables, verdict_summary
+    from .report import splice_into_doc
+    cross = cross_regime_summary(out)
+    splice_into_doc(readme, "verdicts", verdict_summary(load_tables(out)) + ("\n\n" + cross if cross else ""))
+
+
 def _paper(args, train: bool) -> int:
     """``reproduce paper`` / ``report paper``: every experiment, one sweep, every table, RESULTS.md (and
     CALIBRATION.md's blocks with --calibration-doc), and the results bundle ``OUT/bundle`` of everything
@@ -381,11 +419,7 @@ def _paper(args, train: bool) -> int:
     from .report import check_clean
     for f in args.plugin or []:
         load_plugin(f)
-    if args.seeds is not None and args.seeds < 1:
-        raise CliError(f"--seeds must be >= 1, got {args.seeds}")
-    if args.workers < 1:
-        raise CliError(f"--workers must be >= 1, got {args.workers}")
-    _doc_file(getattr(args, "calibration_doc", None), "--calibration-doc")
+    _check_paper_args(args)
     if getattr(args, "from_bundle", None):
         store, opts, names, out, doc, readme, cal_doc, spaces, exploratory = _from_bundle(args)
         exps = paper_cells(opts, names)
@@ -395,14 +429,8 @@ def _paper(args, train: bool) -> int:
     else:
         tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
         opts = Options(seeds=args.seeds, quick=args.quick, tasks=tasks, record=args.record)
-        names, exploratory = (ON_RECORD if opts.record else PAPER + OURS), args.exploratory
-        if getattr(args, "only", None):  # reproduce only
-            only = [n.strip() for n in args.only.split(",") if n.strip()]
-            bad = [n for n in only if n not in names]
-            if bad:
-                raise CliError(f"--only: {', '.join(map(repr, bad))} not among the experiments of 'paper' here "
-                               f"({', '.join(names)})")
-            names = [n for n in names if n in only]
+        names = _only(args, ON_RECORD if opts.record else PAPER + OURS)
+        exploratory = args.exploratory
         exps = paper_cells(opts, names)
         _check_outputs(args, "results")
         store = _store(args, read_only=not train)
@@ -411,27 +439,19 @@ def _paper(args, train: bool) -> int:
         spaces = CALIBRATION_SPACES
         bundle = out / "bundle"
     failed = 0
-
-    def sweep(cfgs) -> int:  # one training sweep of the paper; how many runs failed
-        from .executors import execute
-        t0 = time.perf_counter()
-        report = execute(cfgs, store, executor=args.executor, workers=args.workers, group_size=args.group,
-                         address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
-        print(report.line() + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-        return len(report.failed)
     if train:
         cfgs = list({c.cfg.run_id: c.cfg for _, cells in exps for c in cells}.values())
         _refuse_dirty_training(cfgs, store, exploratory)
         print(f"paper: {len(exps)} experiments, {len(cfgs)} distinct runs, store {args.store}, executor "
               f"{args.executor} x{args.workers}, group size {_group_shown(args, cfgs, store)}", file=sys.stderr)
-        failed = sweep(cfgs)
+        failed = _paper_sweep(args, store, cfgs)
     if not getattr(args, "from_bundle", None) and opts.seeds is None and not opts.quick:
         opts, exps, more = _more_seeds(store, opts, names, exps)
         if more and train:
             _refuse_dirty_training(more, store, exploratory)
             print(f"paper: {len(opts.extend)} cell(s) undecided at the paper's seed counts, run on up to "
                   f"{opts.extend_seeds} seeds: {len(more)} more runs", file=sys.stderr)
-            failed += sweep(more)
+            failed += _paper_sweep(args, store, more)
     check_clean(store, exps, exploratory)  # before any file is written: every table's runs at once
     writer = None
     if bundle is not None:
@@ -454,35 +474,39 @@ def _paper(args, train: bool) -> int:
     write_results_doc(out, doc, names=[e.name for e, _ in exps], spaces=written, record=opts.record)
     _record_report(store, "RESULTS.md", started, time.perf_counter() - t0, 0)
     if readme:  # the verdicts at a glance, generated from the same tables
-        from .paper import cross_regime_summary, load_tables, verdict_summary
-        from .report import splice_into_doc
-        cross = cross_regime_summary(out)
-        splice_into_doc(readme, "verdicts", verdict_summary(load_tables(out)) + ("\n\n" + cross if cross else ""))
+        _splice_verdicts(readme, out)
     if writer is not None:
-        from .bundle import write_ledger
-        rows = store.ledger()  # after this report's rows: the bundle carries the time it took
-        kind_of = _ledger_kind(store)
-        write_ledger(writer.dir, rows, {r["id"]: kind_of(r) for r in rows if r["kind"] == "job"})
-
-        def rel(p):
-            return Path(os.path.relpath(Path(p).resolve(), out.resolve())).as_posix() if p else None
-        from .store.record_clock import first_rows
-        first = first_rows(store.index.rows())  # each record's age, for a report outside git (bundle.py)
-        held = sorted(f.stem for f in (writer.dir / "records").glob("*.json"))
-        writer.finish({"records": {h: {"first_row": first.get(h)} for h in held},
-                       "options": {"seeds": opts.seeds, "quick": opts.quick,
-                                   "tasks": list(opts.tasks) if opts.tasks is not None else None,
-                                   "record": opts.record,
-                                   "extend": [list(x) for x in opts.extend], "extend_seeds": opts.extend_seeds},
-                       "experiments": [e.name for e, _ in exps], "spaces": [{"name": s} for s in written],
-                       "exploratory": bool(exploratory),
-                       "docs": {"results": rel(doc), "readme": rel(readme), "calibration": rel(cal_doc) if written
-                                else None}})
+        _finish_bundle(writer, store, opts, exps, written, exploratory, out, doc, readme, cal_doc)
     print(Path(doc).read_text().split("\n## ", 2)[1] if "\n## " in Path(doc).read_text() else "")
     print(f"wrote {len(exps)} experiments under {out}/ and {doc}" + (f", the bundle {bundle}/" if writer else "")
           + (f"; updated {cal_doc} ({', '.join(written)})" if written else "")
           + (f"; updated {readme} (its verdict list)" if readme else ""), file=sys.stderr)
     return 1 if failed else 0
+
+
+def _finish_bundle(writer, store, opts, exps, written, exploratory, out, doc, readme, cal_doc) -> None:
+    """The results bundle's last part: the time ledger (this report's rows included), each record's first
+    prediction row (its age, for a report outside git), and the manifest that ``report paper --from-bundle``
+    rewrites the documents from."""
+    from .bundle import write_ledger
+    from .store.record_clock import first_rows
+    rows = store.ledger()
+    kind_of = _ledger_kind(store)
+    write_ledger(writer.dir, rows, {r["id"]: kind_of(r) for r in rows if r["kind"] == "job"})
+
+    def rel(p):
+        return Path(os.path.relpath(Path(p).resolve(), out.resolve())).as_posix() if p else None
+    first = first_rows(store.index.rows())
+    held = sorted(f.stem for f in (writer.dir / "records").glob("*.json"))
+    writer.finish({"records": {h: {"first_row": first.get(h)} for h in held},
+                   "options": {"seeds": opts.seeds, "quick": opts.quick,
+                               "tasks": list(opts.tasks) if opts.tasks is not None else None,
+                               "record": opts.record,
+                               "extend": [list(x) for x in opts.extend], "extend_seeds": opts.extend_seeds},
+                   "experiments": [e.name for e, _ in exps], "spaces": [{"name": s} for s in written],
+                   "exploratory": bool(exploratory),
+                   "docs": {"results": rel(doc), "readme": rel(readme), "calibration": rel(cal_doc) if written
+                            else None}})
 
 
 def _more_seeds(store, opts, names, exps):
@@ -587,6 +611,25 @@ def _check_executor(args) -> None:
                            "(or leave --executor at local)")
 
 
+def _register(args, space, store, cands) -> list:
+    """``calibrate --register``: measure the best candidates on every seed (an identification search: until
+    its set holds the hard constraints; else the nearest passing ones), then pre-register the choice."""
+    from .calibration.doc import register
+    from .calibration.search import complete_nearest
+    run_kw = dict(executor=args.executor, workers=args.workers, group_size=args.group,
+                  progress=not args.no_progress, address=args.address)
+    if space.identify:
+        from .calibration.identify import complete
+        cands = complete(space, store, cands, steps=args.steps, log=lambda m: print(m, file=sys.stderr),
+                         sweep_bar=not args.no_progress, **run_kw)
+    else:
+        cands = complete_nearest(space, store, cands, k=args.complete, steps=args.steps, **run_kw)
+    rec = register(space, store, cands, steps=args.steps, ship=args.ship, doc=args.doc)
+    print(f"registered {rec['hash']} at {rec['registered_at']}: {rec['task_options']} {rec['model_options']}"
+          f" ({'passes' if rec['passes'] else 'NO candidate passes: nearest'})", file=sys.stderr)
+    return cands
+
+
 def cmd_calibrate(args) -> int:
     from .calibration import load_space
     from .calibration.report import choose, write_outputs
@@ -622,19 +665,7 @@ def cmd_calibrate(args) -> int:
     else:
         cands = load_candidates(space, store)
     if args.register:
-        from .calibration.doc import register
-        from .calibration.search import complete_nearest
-        run_kw = dict(executor=args.executor, workers=args.workers, group_size=args.group,
-                      progress=not args.no_progress, address=args.address)
-        if space.identify:  # the best candidates on five seeds until ten hold the hard constraints
-            from .calibration.identify import complete
-            cands = complete(space, store, cands, steps=args.steps, log=lambda m: print(m, file=sys.stderr),
-                             sweep_bar=not args.no_progress, **run_kw)
-        else:
-            cands = complete_nearest(space, store, cands, k=args.complete, steps=args.steps, **run_kw)
-        rec = register(space, store, cands, steps=args.steps, ship=args.ship, doc=args.doc)
-        print(f"registered {rec['hash']} at {rec['registered_at']}: {rec['task_options']} {rec['model_options']}"
-              f" ({'passes' if rec['passes'] else 'NO candidate passes: nearest'})", file=sys.stderr)
+        cands = _register(args, space, store, cands)
     from .calibration.robustness import fade_points, run_robustness
     if args.robustness:
         rep = run_robustness(space, store, cands, executor=args.executor, workers=args.workers,
