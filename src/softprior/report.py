@@ -352,6 +352,40 @@ def _chance_label(metric: str) -> str:
     return "chance" if metric == "acc" else "zero predictor"
 
 
+def _bar_legend(ax, agg, cols, colors, ns, levels, floors, paper, ceiling, chance_label: str) -> None:
+    """``plot_bars``'s legend, right of the axes: one entry per column, the whisker and the single seed,
+    the chance and floor lines, the paper's value, the Bayes ceiling; titled by the statistic shown."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    if ns == [1]:  # points only
+        handles = [Line2D([], [], color=colors(j % 10), marker="o", markeredgecolor="black", ls="", markersize=6,
+                          label=c or "value") for j, c in enumerate(cols)]
+    else:
+        handles = [Patch(color=colors(j % 10), alpha=0.85, label=c or "value") for j, c in enumerate(cols)]
+        handles += [Line2D([], [], color="black", marker="_", markersize=10, ls="-", lw=1, label="± SD over seeds"),
+                    Line2D([], [], color="white", marker="o", markeredgecolor="black", ls="", markersize=5,
+                           label="one seed")]
+    if levels:
+        shown = f" = {next(iter(levels)):.3f}" if len(levels) == 1 else " (per task)"
+        handles.append(Line2D([], [], color="dimgray", ls="--", lw=1,
+                              label=chance_label + shown))
+    if floors:
+        shown = f" = {next(iter(floors)):.3f}" if len(floors) == 1 else " (per task)"
+        handles.append(Line2D([], [], color="tab:purple", ls="-.", lw=1, label="floor: copy any token of the\n"
+                              "context, key or value" + shown))
+    if any(k in paper for k in zip(agg["row"], agg["column"])):
+        handles.append(Line2D([], [], color="black", marker="<", ls="", markersize=6, label="the paper's value"))
+    if ceiling is not None:
+        handles.append(Line2D([], [], color="tab:green", ls=":", lw=1.2, label=f"Bayes ceiling ({ceiling:.3g})"))
+    if ns == [1]:
+        stat = "n = 1 seed per cell:\nthe seed's value (no mean, no SD)"
+    else:
+        stat = f"bars: mean ± SD over seeds,\n{_seeds_text(ns).replace(' per cell', '')} per bar" + \
+               ("\n(n = 1: the point alone)" if ns[0] == 1 else "")
+    ax.legend(handles=handles, title=stat, title_fontsize=8, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0.0, alignment="left")
+
+
 def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None, smoke: str | None = None,
               floor: dict | None = None, paper: dict | None = None, chance_label: str | None = None) -> None:
     """Grouped bars, one colour per column: the mean over seeds of each cell with its SD as a whisker,
@@ -366,8 +400,6 @@ def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
     rows = list(dict.fromkeys(agg["row"]))
     cols = list(dict.fromkeys(agg["column"]))
     seeds, chance, floor, paper = _per_seed(long), chance or {}, floor or {}, paper or {}
@@ -423,33 +455,7 @@ def plot_bars(agg, title: str, out: Path, long=None, chance: dict | None = None,
     if metric == "acc":
         ax.set_ylim(0, 1.05)
     ax.grid(axis="y", alpha=0.3)
-    if ns == [1]:  # points only
-        handles = [Line2D([], [], color=colors(j % 10), marker="o", markeredgecolor="black", ls="", markersize=6,
-                          label=c or "value") for j, c in enumerate(cols)]
-    else:
-        handles = [Patch(color=colors(j % 10), alpha=0.85, label=c or "value") for j, c in enumerate(cols)]
-        handles += [Line2D([], [], color="black", marker="_", markersize=10, ls="-", lw=1, label="± SD over seeds"),
-                    Line2D([], [], color="white", marker="o", markeredgecolor="black", ls="", markersize=5,
-                           label="one seed")]
-    if levels:
-        shown = f" = {next(iter(levels)):.3f}" if len(levels) == 1 else " (per task)"
-        handles.append(Line2D([], [], color="dimgray", ls="--", lw=1,
-                              label=(chance_label or _chance_label(metric)) + shown))
-    if floors:
-        shown = f" = {next(iter(floors)):.3f}" if len(floors) == 1 else " (per task)"
-        handles.append(Line2D([], [], color="tab:purple", ls="-.", lw=1, label="floor: copy any token of the\n"
-                              "context, key or value" + shown))
-    if any(k in paper for k in zip(agg["row"], agg["column"])):
-        handles.append(Line2D([], [], color="black", marker="<", ls="", markersize=6, label="the paper's value"))
-    if ceiling is not None:
-        handles.append(Line2D([], [], color="tab:green", ls=":", lw=1.2, label=f"Bayes ceiling ({ceiling:.3g})"))
-    if ns == [1]:
-        stat = "n = 1 seed per cell:\nthe seed's value (no mean, no SD)"
-    else:
-        stat = f"bars: mean ± SD over seeds,\n{_seeds_text(ns).replace(' per cell', '')} per bar" + \
-               ("\n(n = 1: the point alone)" if ns[0] == 1 else "")
-    ax.legend(handles=handles, title=stat, title_fontsize=8, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              borderaxespad=0.0, alignment="left")
+    _bar_legend(ax, agg, cols, colors, ns, levels, floors, paper, ceiling, chance_label or _chance_label(metric))
     fig.tight_layout()
     _smoke_mark(fig, smoke)
     fig.savefig(out, dpi=110)
@@ -478,19 +484,41 @@ def _gate_of_normal(path, g_pos: float | None, g_content: float | None) -> str:
     return f"normal at g_pos = {one('pos', g_pos)},\ng_content = {one('content', g_content)}"
 
 
+def _curves_legend(fig, windows: set, chance_drawn, groups: dict, ncols: int):
+    """``plot_curves``'s legend under the panels: the two evaluations, the gates of the gate panel, the fade
+    window or switch, chance, the shading over seeds."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    handles = [Line2D([], [], color="tab:blue", label="normal: the model's own gates, sigmoid(logit):\nlearned, "
+                      "or sigmoid(initial logit) on fixed and scheduled\npaths (their logit is never trained; 0.5 by "
+                      "default);\neach panel says at which g"),
+               Line2D([], [], color="tab:red", label="zero: both gates forced to 0 (the prior removed)"),
+               Line2D([], [], color="black", ls="--", lw=1, label="gate the path applies in training\n(g_pos, the gate panel)"),
+               Line2D([], [], color="tab:blue", ls=":", lw=1.2, label="gate of the normal evaluation\n(the gate panel)")]
+    if "fade" in windows:
+        handles.append(Patch(color="gray", alpha=0.15, label="fade window"))
+    if "switch" in windows:
+        handles.append(Line2D([], [], color="gray", ls=":", label="switch"))
+    if chance_drawn is not None:
+        said = chance_text([c for cs in groups.values() for c in cs]) or _chance_label(chance_drawn[0])
+        handles.append(Line2D([], [], color="dimgray", ls=":", lw=1, label=said.replace("\n", " ")))
+    if any(len(cs) > 1 for cs in groups.values()):
+        handles.append(Patch(color="tab:blue", alpha=0.15, label="shading: min to max over seeds"))
+    legend = fig.legend(handles=handles, loc="lower center", ncol=min(2, ncols), fontsize=7.5)
+    return legend
+
+
 def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path, smoke: str | None = None) -> bool:
     """Per row (path): the mean normal and zero-gate metric over training (the band spans the seeds),
     the chance level, and in a panel of its own under it, on its own axis, the gate the path applies in
     training (black, dashed) and the gate the "normal" evaluation uses (blue, dotted). "normal" is the
     model's own gates, sigmoid(logit): for a fixed or scheduled gate that logit is never trained, so a faded model is
-    evaluated at g = 0.5, its prior switched back on, whatever the path's gate; each panel says at
-    which g, and the legend says so. ``smoke``: a --quick run's mark."""
+    evaluated at sigmoid(initial logit) (0.5 by default), its prior switched back on, whatever the path's
+    gate; each panel says at which g, and the legend says so. ``smoke``: a --quick run's mark."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
     from .schedules import Fade, HardSwitch
     groups: dict[str, list[Cell]] = {}
@@ -551,21 +579,7 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path, smoke
             ax.set_ylim(0, 1.02)
     for ax in [*list(axes.flat)[n:], *list(gate_axes.flat)[n:]]:
         ax.axis("off")
-    handles = [Line2D([], [], color="tab:blue", label="normal: the model's own gates, sigmoid(logit):\nlearned, "
-                      "or 0.5 on fixed and scheduled paths\n(their logit is never trained); each panel says at which g"),
-               Line2D([], [], color="tab:red", label="zero: both gates forced to 0 (the prior removed)"),
-               Line2D([], [], color="black", ls="--", lw=1, label="gate the path applies in training\n(g_pos, the gate panel)"),
-               Line2D([], [], color="tab:blue", ls=":", lw=1.2, label="gate of the normal evaluation\n(the gate panel)")]
-    if "fade" in windows:
-        handles.append(Patch(color="gray", alpha=0.15, label="fade window"))
-    if "switch" in windows:
-        handles.append(Line2D([], [], color="gray", ls=":", label="switch"))
-    if chance_drawn is not None:
-        said = chance_text([c for cs in groups.values() for c in cs]) or _chance_label(chance_drawn[0])
-        handles.append(Line2D([], [], color="dimgray", ls=":", lw=1, label=said.replace("\n", " ")))
-    if any(len(cs) > 1 for cs in groups.values()):
-        handles.append(Patch(color="tab:blue", alpha=0.15, label="shading: min to max over seeds"))
-    legend = fig.legend(handles=handles, loc="lower center", ncol=min(2, ncols), fontsize=7.5)
+    legend = _curves_legend(fig, windows, chance_drawn, groups, ncols)
     fig.suptitle(_wrap(_titled(title, smoke), 4.4 * ncols), fontsize=10)
     bottom = legend.get_window_extent(fig.canvas.get_renderer()).height / fig.bbox.height
     fig.tight_layout(rect=(0, bottom + 0.01, 1, 1))
