@@ -100,7 +100,8 @@ def test_quick_output_is_marked_and_curves_say_what_normal_means(tmp_path, figur
         texts = [t.get_text() for t in fig.texts] + [fig.axes[0].get_title(), fig._suptitle.get_text() if fig._suptitle else ""]
         assert "SMOKE RUN" in texts and any("smoke run (--quick: 20 steps, 1 seed)" in t for t in texts)
     labels = [t.get_text() for t in curves.legends[0].get_texts()]
-    assert any("0.5 on fixed and scheduled paths" in t and "never trained" in t for t in labels)
+    assert any("sigmoid(initial logit) on fixed and scheduled" in t and "never trained" in t and "0.5 by default" in t
+               for t in labels)
     panels = {ax.get_title().split(" (n=")[0]: " ".join(t.get_text() for t in ax.texts) for ax in curves.axes
               if ax.get_title()}
     assert "untrained logit" in panels["fade600"] and "not the path's gate" in panels["forced_zero"]
