@@ -177,7 +177,7 @@ def test_identification_search_registers_its_set_on_five_seeds_and_covers_only_i
     assert r.returncode == 0, r.stderr
     assert "<!-- table:robustness-tiny_identify -->" in (tmp_path / "doc.md").read_text()
     after = (tmp_path / "out" / "identified.md").read_text()
-    assert after.startswith("## The identified model") and "### The trajectory claims" in after
+    assert after.startswith("## The identified set of `tiny_identify`") and "### The trajectory claims" in after
     rec = next(json.loads(p.read_text()) for p in (tmp_path / "runs").rglob("*.json")
                if '"identified"' in p.read_text())
     assert len(rec["identified"]) == 2 and rec["tiers"] == json.loads(json.dumps(tiers_spec()))
