@@ -225,9 +225,9 @@ def _length_evals(o: Options) -> tuple:
     evals = (NORMAL, Eval("T=120", None, 120))
     if o.record is None:
         return evals
-    from .preregistration import record_named
-    chosen = record_named(o.record).get("length_reading", {}).get("chosen")
-    if chosen in (None, "clip"):
+    from .preregistration import record_reading
+    chosen = record_reading(o.record)
+    if chosen is None:
         return evals
     return evals + (Eval(f"T=120 ({chosen})", None, 120, optional=True, reading=chosen),)
 

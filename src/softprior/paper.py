@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .preregistration import record_reading
 from .claims import (CLAIMS, CONFIDENCE, HIGH, Cond, PaperClaim, claims_spec, difference_interval,  # noqa: F401
                      mean_interval, sd_interval, verdict_of, verdicts, NOT_APPLICABLE)
 
@@ -229,18 +230,6 @@ def _qualitative(r, tables) -> tuple[str, bool] | None:
         spread = (max(v) - min(v)) / min(v)
         return f"spread (max - min) / min = {spread:.1%} ({', '.join(f'{x:.4f}' for x in v)})", spread <= r.tol
     return None
-
-
-def record_reading(record: str | None) -> str | None:
-    """The length reading a shipped record registered (``length_reading``; None: none, or clip)."""
-    if record is None:
-        return None
-    from .preregistration import UnknownRecordError, record_named
-    try:
-        chosen = record_named(record).get("length_reading", {}).get("chosen")
-    except UnknownRecordError:
-        return None
-    return None if chosen in (None, "clip") else chosen
 
 
 def identification_table(tables, params: dict[str, float] | None = None, reading: str | None = None) -> str:

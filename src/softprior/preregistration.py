@@ -465,3 +465,14 @@ def age_problems(first_rows: dict[str, float | None], records: Iterable[tuple[st
                                "never rewritten; this one was written or rewritten later"))
     return out
 
+
+def record_reading(record: str | None) -> str | None:
+    """The length reading a shipped record registered (``length_reading``), where it is not "clip"; None
+    for no record, an unknown one, or the clipped reading."""
+    if record is None:
+        return None
+    try:
+        chosen = record_named(record).get("length_reading", {}).get("chosen")
+    except UnknownRecordError:
+        return None
+    return None if chosen in (None, "clip") else chosen
