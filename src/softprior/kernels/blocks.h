@@ -12,9 +12,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -29,57 +32,95 @@ constexpr int64_t R = 8;    // rows computed together: R independent accumulator
 inline int64_t rounded(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 inline int64_t padded(int64_t n) { return rounded(n, VL); }
 
+// A tile is VL = 16 lanes: local rows are padded to whole tiles, and every per-lane accumulation and
+// lane reduction below runs in the order 16 lanes define. The arithmetic runs on the target's own
+// vector registers (``Reg``): a tile is one AVX-512 register, two AVX2 registers, four NEON or SSE2
+// registers, always in the same order, so the kernels' bits are the same on every ISA. (GCC lowers a
+// 16-lane vector wider than the target's registers to memory, moved through general registers lane
+// pair by lane pair, and a comparison on it lane by lane with a branch each: the AVX2 build was 2x
+// slower than the AVX-512 one on the same CPU for that alone; docs/DESIGN.md, "ISA".)
+#if defined(__AVX512F__)
+constexpr int64_t NATIVE_BYTES = 64;
+#elif defined(__AVX__)
+constexpr int64_t NATIVE_BYTES = 32;
+#else
+constexpr int64_t NATIVE_BYTES = 16;  // SSE2, NEON
+#endif
 template <typename scalar_t>
-struct Lanes {  // VL lanes of scalar_t as one GCC/Clang vector, kept in registers
-  typedef scalar_t type __attribute__((vector_size(VL * sizeof(scalar_t))));
+struct Native {  // one target register of scalar_t (``type``; ``any``: loaded from or stored to any address)
+  typedef scalar_t type __attribute__((vector_size(NATIVE_BYTES)));
+  typedef scalar_t any __attribute__((vector_size(NATIVE_BYTES), aligned(sizeof(scalar_t))));
+  static constexpr int64_t lanes = NATIVE_BYTES / sizeof(scalar_t), parts = VL / lanes;  // parts: registers a tile
+  static_assert(VL % lanes == 0, "a tile holds whole registers");
 };
-typedef int32_t Int32Lanes __attribute__((vector_size(VL * sizeof(int32_t))));
+template <typename scalar_t>
+using Reg = typename Native<scalar_t>::type;
 
 // e^x lane by lane, for the softmax: Cephes' expf (S. L. Moshier, Cephes Math Library, expf.c):
 // x = n ln 2 + r with |r| <= ln(2)/2, e^r by its degree-6 polynomial, 2^n by the exponent bits;
 // about 1 ulp. Below -87.3 (e^x under the smallest normal float) it gives 0, so a masked logit
 // (-inf) gives an exact 0, as std::exp does.
-inline Lanes<float>::type exp_lanes(Lanes<float>::type x) {
-  using V = Lanes<float>::type;
-  const V lo = V{} - 87.3f, hi = V{} + 88.3f;
-  V xc = x < lo ? lo : x;
+inline Reg<float> exp_lanes(Reg<float> x) {
+  using N = Reg<float>;
+  typedef int32_t I __attribute__((vector_size(NATIVE_BYTES)));
+  const N lo = N{} - 87.3f, hi = N{} + 88.3f;
+  N xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
-  const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  V r = xc - n * 0.693359375f;
+  const N n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  N r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  const V z = r * r;
-  V y = V{} + 1.9875691500e-4f;
+  const N z = r * r;
+  N y = N{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * z + r + 1.0f;
-  const Int32Lanes bits = (__builtin_convertvector(n, Int32Lanes) + 127) << 23;
-  const V scale = reinterpret_cast<const V&>(bits);
-  return x < lo ? V{} : y * scale;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  N scale;
+  std::memcpy(&scale, &bits, sizeof(N));
+  return x < lo ? N{} : y * scale;
 }
 
-inline Lanes<double>::type exp_lanes(Lanes<double>::type x) {  // float64: for gradcheck, not speed
-  for (int64_t l = 0; l < VL; ++l) x[l] = std::exp(x[l]);
+inline Reg<double> exp_lanes(Reg<double> x) {  // float64: for gradcheck, not speed
+  for (int64_t l = 0; l < Native<double>::lanes; ++l) x[l] = std::exp(x[l]);
   return x;
 }
 
-// the lanes' sum (max) in a fixed pairwise order, whatever the compiler: lane l adds lane l + w for
-// w = 8, 4, 2, 1 (by shuffles: extracting lanes one by one cost more than the rest of a softmax row)
-template <typename V, typename Op>
-inline auto lane_reduce(V a, Op op) {
-  a = op(a, __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  a = op(a, __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  a = op(a, __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  a = op(a, __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return a[0];
+// one tile's lanes (its registers p[0 .. parts)) reduced in a fixed pairwise order, whatever the
+// compiler and the ISA: lane l takes lane l + w for w = 8, 4, 2, 1; across registers while w spans
+// whole ones, then by shuffles within one (extracting lanes one by one cost more than the rest of a
+// softmax row). Overwrites p.
+template <typename scalar_t, typename Op>
+inline scalar_t lane_reduce(Reg<scalar_t>* p, Op op) {
+  constexpr int64_t P = Native<scalar_t>::parts, NL = Native<scalar_t>::lanes;
+  for (int64_t w = P / 2; w >= 1; w /= 2)
+    for (int64_t k = 0; k < w; ++k) p[k] = op(p[k], p[k + w]);
+  Reg<scalar_t> x = p[0];
+  if constexpr (NL == 16) {
+    x = op(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  } else if constexpr (NL == 8) {
+    x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3));
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5));
+    x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6));
+  } else if constexpr (NL == 4) {
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1));
+    x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2));
+  } else {
+    static_assert(NL == 2, "a register of 2, 4, 8 or 16 lanes");
+    x = op(x, __builtin_shufflevector(x, x, 1, 0));
+  }
+  return x[0];
 }
-static_assert(VL == 16, "lane_reduce's shuffles are written for 16 lanes");
-template <typename V>
-inline auto lane_sum(V a) { return lane_reduce(a, [](V x, V y) { return x + y; }); }
-template <typename V>
-inline auto lane_max(V a) { return lane_reduce(a, [](V x, V y) { return x > y ? x : y; }); }
+static_assert(VL == 16, "lane_reduce's order is that of 16 lanes");
+template <typename scalar_t>
+inline scalar_t lane_sum(Reg<scalar_t>* p) { return lane_reduce<scalar_t>(p, [](auto x, auto y) { return x + y; }); }
+template <typename scalar_t>
+inline scalar_t lane_max(Reg<scalar_t>* p) { return lane_reduce<scalar_t>(p, [](auto x, auto y) { return x > y ? x : y; }); }
 
 template <typename T>
 struct Buffer {  // a zeroed, 64-byte aligned scratch array of n elements
@@ -93,33 +134,37 @@ struct Buffer {  // a zeroed, 64-byte aligned scratch array of n elements
   T& operator[](int64_t i) const { return ptr[i]; }
 };
 
-template <typename scalar_t>
-struct Unaligned {  // VL lanes loaded from or stored to any address
-  typedef scalar_t type __attribute__((vector_size(VL * sizeof(scalar_t)), aligned(sizeof(scalar_t))));
-};
-
 // out[r][c] = sum_{i0 <= i < n} a_r[i * ai] m[i][c] for r < R and c < tiles * VL, accumulated in
 // order of i, one output element per lane (a_r: R row pointers, ai their element stride; m: rows of
-// stride mp holding whole tiles; out: row stride os). A term with a_r[i] = 0 adds an exact 0, so
-// starting past every row's leading zeros (i0) or running past a row's trailing zeros (n) leaves the
-// row's bits as they are.
+// stride mp holding whole tiles; out: row stride os), one register of columns at a time. A term with
+// a_r[i] = 0 adds an exact 0, so starting past every row's leading zeros (i0) or running past a row's
+// trailing zeros (n) leaves the row's bits as they are.
 template <typename scalar_t>
 inline void rows_times(const scalar_t* const* a, int64_t ai, int64_t i0, int64_t n, const scalar_t* m, int64_t mp,
                        int64_t tiles, scalar_t* out, int64_t os) {
-  using V = typename Lanes<scalar_t>::type;
-  using U = typename Unaligned<scalar_t>::type;
-  for (int64_t t = 0; t < tiles; ++t) {
-    V acc[R];
+  using N = Reg<scalar_t>;
+  using U = typename Native<scalar_t>::any;
+  for (int64_t c = 0; c < tiles * VL; c += Native<scalar_t>::lanes) {
+    N acc[R];
 #pragma GCC unroll 8
-    for (int64_t r = 0; r < R; ++r) acc[r] = V{};
+    for (int64_t r = 0; r < R; ++r) acc[r] = N{};
     for (int64_t i = i0; i < n; ++i) {
-      const V mi = *reinterpret_cast<const U*>(m + i * mp + t * VL);
+      const N mi = *reinterpret_cast<const U*>(m + i * mp + c);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) acc[r] += a[r][i * ai] * mi;
     }
 #pragma GCC unroll 8
-    for (int64_t r = 0; r < R; ++r) *reinterpret_cast<U*>(out + r * os + t * VL) = acc[r];
+    for (int64_t r = 0; r < R; ++r) *reinterpret_cast<U*>(out + r * os + c) = acc[r];
   }
+}
+
+// acc[c] += x[c] for c < tiles * VL (both 64-byte aligned)
+template <typename scalar_t>
+inline void add_tiles(scalar_t* acc, const scalar_t* x, int64_t tiles) {
+  using N = Reg<scalar_t>;
+  N* a = reinterpret_cast<N*>(acc);
+  const N* b = reinterpret_cast<const N*>(x);
+  for (int64_t k = 0; k < tiles * Native<scalar_t>::parts; ++k) a[k] += b[k];
 }
 
 // R row pointers base + (r0 + r) * stride for r < R; rows at or past `rows` point at row 0 (their
@@ -210,45 +255,52 @@ inline const scalar_t* as_tiles(const scalar_t* src, int64_t rows, int64_t cols,
 }
 
 // row (TP lanes) <- softmax(row + bias) over its first `tiles` tiles, zero past them (bias: -inf past
-// the keys the row sees); a row whose every key is masked becomes NaN, as torch.softmax gives
+// the keys the row sees); a row whose every key is masked becomes NaN, as torch.softmax gives. Lane l
+// of a tile's register k is lane k * lanes + l of the tile: the order of 16 lanes on every ISA.
 template <typename scalar_t>
 inline void softmax_row(scalar_t* row, const scalar_t* bias, int64_t tiles, int64_t TP) {
-  using V = typename Lanes<scalar_t>::type;
+  using N = Reg<scalar_t>;
+  constexpr int64_t P = Native<scalar_t>::parts;
   const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
-  V* x = reinterpret_cast<V*>(row);
-  const V* b = reinterpret_cast<const V*>(bias);
-  V mx = V{} + ninf;
-  for (int64_t t = 0; t < tiles; ++t) {
-    x[t] += b[t];
-    mx = mx > x[t] ? mx : x[t];
-  }
-  const scalar_t m = lane_max(mx);
+  N* x = reinterpret_cast<N*>(row);
+  const N* b = reinterpret_cast<const N*>(bias);
+  N mx[P], sum[P];
+  for (int64_t k = 0; k < P; ++k) mx[k] = N{} + ninf, sum[k] = N{};
+  for (int64_t t = 0; t < tiles * P; t += P)
+    for (int64_t k = 0; k < P; ++k) {
+      x[t + k] += b[t + k];
+      mx[k] = mx[k] > x[t + k] ? mx[k] : x[t + k];
+    }
+  const scalar_t m = lane_max<scalar_t>(mx);
   if (m == ninf) {
     std::fill(row, row + TP, std::numeric_limits<scalar_t>::quiet_NaN());
     return;
   }
-  V sum = V{};
-  for (int64_t t = 0; t < tiles; ++t) {
-    x[t] = exp_lanes(x[t] - m);
-    sum += x[t];
-  }
-  const scalar_t inv = scalar_t(1) / lane_sum(sum);
-  for (int64_t t = 0; t < tiles; ++t) x[t] *= inv;
-  for (int64_t t = tiles; t < TP / VL; ++t) x[t] = V{};
+  for (int64_t t = 0; t < tiles * P; t += P)
+    for (int64_t k = 0; k < P; ++k) {
+      x[t + k] = exp_lanes(x[t + k] - m);
+      sum[k] += x[t + k];
+    }
+  const scalar_t inv = scalar_t(1) / lane_sum<scalar_t>(sum);
+  for (int64_t t = 0; t < tiles * P; ++t) x[t] *= inv;
+  for (int64_t t = tiles * P; t < TP / VL * P; ++t) x[t] = N{};
 }
 
 // the softmax's backward for one row: ds = p * (dp - sum_j dp_j p_j) over `tiles` tiles, zero past them
 template <typename scalar_t>
 inline void softmax_grad_row(const scalar_t* p, const scalar_t* dp, scalar_t* ds, int64_t tiles, int64_t TP) {
-  using V = typename Lanes<scalar_t>::type;
-  const V* pi = reinterpret_cast<const V*>(p);
-  const V* dpi = reinterpret_cast<const V*>(dp);
-  V* dsi = reinterpret_cast<V*>(ds);
-  V acc = V{};
-  for (int64_t t = 0; t < tiles; ++t) acc += dpi[t] * pi[t];
-  const scalar_t dot = lane_sum(acc);
-  for (int64_t t = 0; t < tiles; ++t) dsi[t] = pi[t] * (dpi[t] - dot);
-  for (int64_t t = tiles; t < TP / VL; ++t) dsi[t] = V{};
+  using N = Reg<scalar_t>;
+  constexpr int64_t P = Native<scalar_t>::parts;
+  const N* pi = reinterpret_cast<const N*>(p);
+  const N* dpi = reinterpret_cast<const N*>(dp);
+  N* dsi = reinterpret_cast<N*>(ds);
+  N acc[P];
+  for (int64_t k = 0; k < P; ++k) acc[k] = N{};
+  for (int64_t t = 0; t < tiles * P; t += P)
+    for (int64_t k = 0; k < P; ++k) acc[k] += dpi[t + k] * pi[t + k];
+  const scalar_t dot = lane_sum<scalar_t>(acc);
+  for (int64_t t = 0; t < tiles * P; ++t) dsi[t] = pi[t] * (dpi[t] - dot);
+  for (int64_t t = tiles * P; t < TP / VL * P; ++t) dsi[t] = N{};
 }
 
 }  // namespace

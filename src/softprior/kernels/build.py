@@ -3,9 +3,9 @@
 The library is compiled by ``torch.utils.cpp_extension.load`` (g++ or clang, and ninja) once per
 machine, ISA, torch and source: a later process loads the cached build.
 
-ISA. The kernels' inner loops are written once, on GCC/Clang vectors of 16 lanes (``blocks.h``), which
-the compiler lowers to the vector width the build targets: one AVX-512 register, two AVX2 registers,
-four NEON registers. The target is an ISA level, not the build machine's every flag
+ISA. The kernels' inner loops are written once (``blocks.h``), on tiles of 16 lanes held in the
+registers of the ISA the build targets (``Native``): one AVX-512 register, two AVX2 registers, four
+NEON or SSE2 registers, in one order, so every ISA gives the kernels' bits. The target is an ISA level, not the build machine's every flag
 (``-march=native``), so the same level gives the same code on every CPU that has it:
 
 - ``avx512``: ``-march=x86-64-v4`` (AVX-512 F, BW, CD, DQ, VL), where layer 0's gathers are one

@@ -169,7 +169,6 @@ template <typename scalar_t>
 void block_backward(const Dims& D, const Mask<scalar_t>& mask, const Rows0<scalar_t>& src, const Rows0<scalar_t>& dsrc,
                     int64_t b, int64_t h, scalar_t qs, scalar_t gc, Scratch<scalar_t>& w, const scalar_t* P,
                     const scalar_t* dZ, scalar_t* dbias, scalar_t& dgc) {
-  using V = typename Lanes<scalar_t>::type;
   const int64_t TP = w.TP, EP = w.EP, DP = w.DP, G = w.QR / R, GK = rounded(D.T, R) / R;
   const int64_t d = D.d, dh = D.dh, r = D.r, Hr = D.H * D.r;
   load_block(D, src, b, h, qs, gc, w, true, false, false, true);
@@ -180,9 +179,7 @@ void block_backward(const Dims& D, const Mask<scalar_t>& mask, const Rows0<scala
                TP);
     for (int64_t i = g * R; i < std::min(D.T, g * R + R); ++i) {
       softmax_grad_row(P + i * TP, w.dp.get() + i * TP, w.ds.get() + i * TP, tiles, TP);
-      V* acc = reinterpret_cast<V*>(dbias + i * TP);
-      const V* dsi = reinterpret_cast<const V*>(w.ds.get() + i * TP);
-      for (int64_t t = 0; t < tiles; ++t) acc[t] += dsi[t];
+      add_tiles(dbias + i * TP, w.ds.get() + i * TP, tiles);
     }
     // dq_ext = dS k_ext for the group's rows
     rows_times(Rows<scalar_t>(w.ds.get(), TP, g * R, w.QR).p, 1, 0, glim, w.ke.get(), EP, EP / VL,
@@ -342,7 +339,6 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
     Buffer<scalar_t> dbias(T * TP), dsv(t.VR * VP), dvv(D.V * DP), dz(QR * DP), dpv(QR * VP), dp(QR * TP), ds(QR * TP),
         out(QR * DP), dq(t.VR * EP), dk(t.VR * EP);
     Buffer<int32_t> idx(TP);
-    using V = typename Lanes<scalar_t>::type;
     for (int64_t h = h0; h < h1; ++h) {
       vocab_tables(D, tab, h, qs, gc[h], t);
       std::fill(dbias.get(), dbias.get() + T * TP, scalar_t(0));
@@ -362,8 +358,7 @@ void vocab_backward(const Dims& D, const scalar_t* tab, const int64_t* tok, cons
             gather_tiles(dpv.get() + i * VP, VP, idx.get(), tiles, dpi);  // past glim: times P = 0
             softmax_grad_row(Pn + i * TP, dpi, ds.get() + i * TP, tiles, TP);
             const scalar_t* dsi = ds.get() + i * TP;
-            V* acc = reinterpret_cast<V*>(dbias.get() + i * TP);
-            for (int64_t u = 0; u < tiles; ++u) acc[u] += reinterpret_cast<const V*>(dsi)[u];
+            add_tiles(dbias.get() + i * TP, dsi, tiles);
             scalar_t* pair = dsv.get() + tk[i] * VP;  // dS onto the (query token, key token) pairs, keys in order
             for (int64_t j = 0, n = mask.lim[h * T + i]; j < n; ++j) pair[tk[j]] += dsi[j];
           }
@@ -426,15 +421,20 @@ std::vector<int64_t> query_rows(const std::vector<int64_t>& pos, int64_t B, int6
   return rows;
 }
 
-// sum_c a[c] b[c] over n elements: VL lanes accumulated in order, reduced in a fixed order, then the tail
+// sum_c a[c] b[c] over n elements: the lanes of a tile (VL) accumulated in order, reduced in a fixed
+// order, then the tail
 template <typename scalar_t>
 inline scalar_t dot(const scalar_t* a, const scalar_t* b, int64_t n) {
-  using V = typename Lanes<scalar_t>::type;
-  using U = typename Unaligned<scalar_t>::type;
-  V acc = V{};
+  using N = Reg<scalar_t>;
+  using U = typename Native<scalar_t>::any;
+  constexpr int64_t P = Native<scalar_t>::parts, NL = Native<scalar_t>::lanes;
+  N acc[P];
+  for (int64_t k = 0; k < P; ++k) acc[k] = N{};
   int64_t c = 0;
-  for (; c + VL <= n; c += VL) acc += *reinterpret_cast<const U*>(a + c) * *reinterpret_cast<const U*>(b + c);
-  scalar_t s = lane_sum(acc);
+  for (; c + VL <= n; c += VL)
+    for (int64_t k = 0; k < P; ++k)
+      acc[k] += *reinterpret_cast<const U*>(a + c + k * NL) * *reinterpret_cast<const U*>(b + c + k * NL);
+  scalar_t s = lane_sum<scalar_t>(acc);
   for (; c < n; ++c) s += a[c] * b[c];
   return s;
 }
