@@ -91,6 +91,18 @@ def test_the_whole_step_equals_the_readable_model_in_float64(case):
         torch.testing.assert_close(got[1][name], grad, rtol=1e-9, atol=1e-10 * grad.abs().max().item(), msg=name)
 
 
+def test_the_operators_parameter_list_from_step_cpp_names_every_parameter_of_the_model_once():
+    """``param_names`` reads step.cpp's lists: they must name each of the model's parameters exactly once,
+    per layer in the order step.cpp's named indices (``layer_param``) read them."""
+    cfg = ModelConfig(n_layers=3, n_heads=2, d_model=8, content_rank=2, vocab=6, n_ctx=8)
+    names = kstep.param_names(cfg.n_layers)
+    model_names = {n for n, _ in _models(cfg, 1, torch.float64)[0].named_parameters()}
+    assert len(names) == len(set(names)) and set(names) <= model_names
+    assert names[:6] == ("embed.weight", "blocks.0.ln.weight", "blocks.0.ln.bias", "blocks.0.attn.in_proj.weight",
+                         "blocks.0.attn.out_proj.weight", "blocks.0.attn.pos_bias")
+    assert names[-2:] == ("ln_final.weight", "ln_final.bias") and len(names) == 1 + 5 * 3 + 2
+
+
 @needs_build
 def test_gradcheck_in_float64_for_every_parameter_and_both_gates():
     cfg = ModelConfig(n_layers=3, n_heads=2, d_model=8, content_rank=2, vocab=6, n_ctx=8)

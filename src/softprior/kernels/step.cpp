@@ -527,41 +527,64 @@ void for_runs(int64_t K, const F& f, bool last_first = false) {
   });
 }
 
-// parameters of one run, in the order step.py passes them: E, per layer (ln_w, ln_b, W_in, W_out,
-// B^pos), ln_final (w, b)
-struct Params {
+// The parameters of one run, in the order step.py passes them, named in one list that step.py reads too
+// (``step.param_names`` parses these three macros): the embedding, each layer's LAYER_PARAMS, then
+// FINAL_PARAMS (the final LayerNorm).
+#define SOFTPRIOR_EMBED_PARAM(X) X(kEmbed, "embed.weight")
+#define SOFTPRIOR_LAYER_PARAMS(X) X(kLnW, "ln.weight") X(kLnB, "ln.bias") X(kWin, "attn.in_proj.weight") X(kWout, "attn.out_proj.weight") X(kBpos, "attn.pos_bias")
+#define SOFTPRIOR_FINAL_PARAMS(X) X(kLnfW, "ln_final.weight") X(kLnfB, "ln_final.bias")
+#define SOFTPRIOR_ENUM(name, ...) name,
+enum LayerParam : int64_t { SOFTPRIOR_LAYER_PARAMS(SOFTPRIOR_ENUM) kLayerParams };
+enum FinalParam : int64_t { SOFTPRIOR_FINAL_PARAMS(SOFTPRIOR_ENUM) kFinalParams };
+enum EmbedParam : int64_t { SOFTPRIOR_EMBED_PARAM(SOFTPRIOR_ENUM) kEmbedParams };
+// where parameter p of layer l (of the final LayerNorm, after L layers) sits in the list
+inline int64_t layer_param(int64_t l, LayerParam p) { return kEmbedParams + kLayerParams * l + p; }
+inline int64_t final_param(int64_t L, FinalParam p) { return kEmbedParams + kLayerParams * L + p; }
+inline int64_t layers_of(int64_t n) { return (n - kEmbedParams - kFinalParams) / kLayerParams; }
+
+struct Params {  // one run's parameters, by name
   Tensor E, lnfw, lnfb;
   std::vector<Tensor> lnw, lnb, win, wout, bpos;
   Params(const std::vector<Tensor>& all, int64_t k, int64_t L) {
-    E = all[0][k];
+    E = all[kEmbed][k];
     for (int64_t l = 0; l < L; ++l) {
-      lnw.push_back(all[1 + 5 * l][k]);
-      lnb.push_back(all[2 + 5 * l][k]);
-      win.push_back(all[3 + 5 * l][k]);
-      wout.push_back(all[4 + 5 * l][k]);
-      bpos.push_back(all[5 + 5 * l][k].contiguous());
+      lnw.push_back(all[layer_param(l, kLnW)][k]);
+      lnb.push_back(all[layer_param(l, kLnB)][k]);
+      win.push_back(all[layer_param(l, kWin)][k]);
+      wout.push_back(all[layer_param(l, kWout)][k]);
+      bpos.push_back(all[layer_param(l, kBpos)][k].contiguous());
     }
-    lnfw = all[1 + 5 * L][k];
-    lnfb = all[2 + 5 * L][k];
+    lnfw = all[final_param(L, kLnfW)][k];
+    lnfb = all[final_param(L, kLnfB)][k];
   }
 };
 
 Dims dims_of(const std::vector<Tensor>& params, const Tensor& tokens, int64_t H, int64_t r, int64_t P) {
-  const int64_t L = (static_cast<int64_t>(params.size()) - 3) / 5;
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == 5 * L + 3 && L >= 2, "softprior step: 5 L + 3 parameters, L >= 2");
-  const int64_t V = params[0].size(1), d = params[0].size(2), nctx = params[5].size(2);
+  const int64_t n = static_cast<int64_t>(params.size()), L = layers_of(n);
+  TORCH_CHECK(n == final_param(L, kFinalParams) && L >= 2, "softprior step: ", kLayerParams, " L + ",
+              kEmbedParams + kFinalParams, " parameters, L >= 2");
+  const int64_t V = params[kEmbed].size(1), d = params[kEmbed].size(2), nctx = params[layer_param(0, kBpos)].size(2);
   TORCH_CHECK(d % H == 0, "softprior step: d_model must be a multiple of the heads");
   TORCH_CHECK(tokens.dim() == 3, "softprior step: tokens [K or 1, B, T] expected");
   const int64_t B = tokens.size(1), T = tokens.size(2), dh = d / H;
   TORCH_CHECK(T <= nctx, "softprior step: the context (", T, ") must fit the position table (", nctx, ")");
-  TORCH_CHECK(params[3].size(1) == 3 * d + 2 * H * r, "softprior step: in_proj [3d + 2Hr, d] expected");
+  TORCH_CHECK(params[layer_param(0, kWin)].size(1) == 3 * d + 2 * H * r, "softprior step: in_proj [3d + 2Hr, d] expected");
   return Dims{B, T, d, H, dh, r, dh + r, 3 * d + 2 * H * r, V, P, nctx, L};
 }
 
-// what the backward of one run reads, in order
-// layer 0's (tab, A0, mean0, rstd0, P0, Z0), then per middle layer (x, A, mean, rstd, proj, P, Z), then the last
-// layer's 16 (run_forward's order)
-enum Saved { kTab, kA0, kMean0, kRstd0, kP0, kZ0, kXl };
+// What the backward of one run reads, each tensor named once: layer 0's, each middle layer's, then the
+// last layer's (at the loss positions). The forward saves them in these lists' order (as an initializer
+// list of the same names) and the backward binds the same names to them.
+#define SOFTPRIOR_SAVED_FIRST(X) X(tab) X(A0) X(mean0) X(rstd0) X(P0) X(Z0)
+#define SOFTPRIOR_SAVED_MIDDLE(X) X(xm) X(Am) X(meanm) X(rstdm) X(proj) X(Pm) X(Zm)
+#define SOFTPRIOR_SAVED_LAST(X) \
+  X(x) X(A) X(mean) X(rstd) X(Q) X(U) X(QW) X(UW) X(QT) X(Pr) X(abar) X(z) X(xL) X(meanf) X(rstdf) X(Y)
+#define SOFTPRIOR_SLOT(name) k_##name,
+#define SOFTPRIOR_TENSOR(name) name,
+enum SavedFirst : int64_t { SOFTPRIOR_SAVED_FIRST(SOFTPRIOR_SLOT) kSavedFirst };
+enum SavedMiddle : int64_t { SOFTPRIOR_SAVED_MIDDLE(SOFTPRIOR_SLOT) kSavedMiddle };
+enum SavedLast : int64_t { SOFTPRIOR_SAVED_LAST(SOFTPRIOR_SLOT) kSavedLast };
+inline int64_t saved_per_run(int64_t L) { return kSavedFirst + kSavedMiddle * (L - 2) + kSavedLast; }
 
 template <typename scalar_t>
 std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& tok, const Tensor& gp, const Tensor& gc,
@@ -573,26 +596,27 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   auto [A0, mean0, rstd0] = at::native_layer_norm(W.E, {d}, W.lnw[0], W.lnb[0], 1e-5);
   Tensor tab = at::mm(A0, W.win[0].t());  // [V, W]
   Tensor x = W.E.index_select(0, tok.reshape(-1));  // [B*T, d]
-  Tensor Pl = at::empty({H, B, T, TP}, x.options()), Z = at::empty({B * T, d}, x.options());
+  Tensor P0 = at::empty({H, B, T, TP}, x.options()), Z0 = at::empty({B * T, d}, x.options());
   if (pairs(D))
     vocab_forward<scalar_t>(D, tab.const_data_ptr<scalar_t>(), tk, W.bpos[0].const_data_ptr<scalar_t>(),
                             gp[0].const_data_ptr<scalar_t>(), gc[0].const_data_ptr<scalar_t>(), qs,
-                            Z.mutable_data_ptr<scalar_t>(), Pl.mutable_data_ptr<scalar_t>());
+                            Z0.mutable_data_ptr<scalar_t>(), P0.mutable_data_ptr<scalar_t>());
   else
     full_forward<scalar_t>(D, Rows0<scalar_t>{tab.mutable_data_ptr<scalar_t>(), tk, T, D.W}, W.bpos[0].const_data_ptr<scalar_t>(),
                          gp[0].const_data_ptr<scalar_t>(), gc[0].const_data_ptr<scalar_t>(), qs,
-                         Z.mutable_data_ptr<scalar_t>(), Pl.mutable_data_ptr<scalar_t>());
-  saved.insert(saved.end(), {tab, A0, mean0, rstd0, Pl, Z});
-  x = at::addmm(x, Z, W.wout[0].t());
+                         Z0.mutable_data_ptr<scalar_t>(), P0.mutable_data_ptr<scalar_t>());
+  saved.insert(saved.end(), {SOFTPRIOR_SAVED_FIRST(SOFTPRIOR_TENSOR)});
+  x = at::addmm(x, Z0, W.wout[0].t());
   for (int64_t l = 1; l < L - 1; ++l) {  // middle layers: every position
-    auto [A, mean, rstd] = at::native_layer_norm(x, {d}, W.lnw[l], W.lnb[l], 1e-5);
-    Tensor proj = at::mm(A, W.win[l].t());  // [B*T, W]
+    const Tensor& xm = x;
+    auto [Am, meanm, rstdm] = at::native_layer_norm(xm, {d}, W.lnw[l], W.lnb[l], 1e-5);
+    Tensor proj = at::mm(Am, W.win[l].t());  // [B*T, W]
     Tensor Pm = at::empty({H, B, T, TP}, x.options()), Zm = at::empty({B * T, d}, x.options());
     full_forward<scalar_t>(D, Rows0<scalar_t>{proj.mutable_data_ptr<scalar_t>(), nullptr, T, D.W},
                            W.bpos[l].const_data_ptr<scalar_t>(), gp[l].const_data_ptr<scalar_t>(),
                            gc[l].const_data_ptr<scalar_t>(), qs, Zm.mutable_data_ptr<scalar_t>(),
                            Pm.mutable_data_ptr<scalar_t>());
-    saved.insert(saved.end(), {x, A, mean, rstd, proj, Pm, Zm});
+    saved.insert(saved.end(), {SOFTPRIOR_SAVED_MIDDLE(SOFTPRIOR_TENSOR)});
     x = at::addmm(x, Zm, W.wout[l].t());
   }
   // the last layer at the loss positions, re-associated (fastpath point 4)
@@ -618,7 +642,7 @@ std::vector<Tensor> run_forward(const Params& W, const Dims& D, const Tensor& to
   Tensor xL = at::addmm(xq, z, W.wout[l].t());
   auto [Y, meanf, rstdf] = at::native_layer_norm(xL, {d}, W.lnfw, W.lnfb, 1e-5);
   logits.copy_(at::mm(Y, W.E.t()).view({B, P, D.V}));
-  saved.insert(saved.end(), {x, A, mean, rstd, Q, U, QW, UW, QT, Pr, abar, z, xL, meanf, rstdf, Y});
+  saved.insert(saved.end(), {SOFTPRIOR_SAVED_LAST(SOFTPRIOR_TENSOR)});
   return saved;
 }
 
@@ -628,14 +652,14 @@ std::vector<Tensor> step_forward(const std::vector<Tensor>& params_, const Tenso
   for (const auto& p : params_) params.push_back(p.contiguous());
   const Tensor gp = gp_.contiguous(), gc = gc_.contiguous(), tokens = tokens_.contiguous();
   const std::vector<int64_t> pos(pos_.begin(), pos_.end());
-  const int64_t K = params[0].size(0), H = gp.size(2);
+  const int64_t K = params[kEmbed].size(0), H = gp.size(2);
   const Dims D = dims_of(params, tokens, H, rank, static_cast<int64_t>(pos.size()));
   TORCH_CHECK(gp.size(0) == K && gp.size(1) == D.L && gc.sizes() == gp.sizes(), "softprior step: gates [K, L, H]");
   TORCH_CHECK(tokens.size(0) == 1 || tokens.size(0) == K, "softprior step: tokens [K or 1, B, T]");
   for (int64_t p : pos) TORCH_CHECK(p >= 0 && p < D.T, "softprior step: a loss position outside the context");
-  Tensor logits = at::empty({K, D.B, D.P, D.V}, params[0].options());
+  Tensor logits = at::empty({K, D.B, D.P, D.V}, params[kEmbed].options());
   std::vector<std::vector<Tensor>> saved(K);
-  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "softprior_step_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(params[kEmbed].scalar_type(), "softprior_step_forward", [&] {
     for_runs(K, [&](int64_t k) {
       const Params W(params, k, D.L);
       saved[k] = run_forward<scalar_t>(W, D, tokens[tokens.size(0) == 1 ? 0 : k], gp[k], gc[k], pos,
@@ -653,20 +677,19 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
                   const std::vector<int64_t>& pos, scalar_t qs, const std::vector<Tensor>& sv, const Tensor& G,
                   const std::vector<Tensor>& grads, int64_t k, Tensor dgp, Tensor dgc) {
   const int64_t B = D.B, T = D.T, d = D.d, H = D.H, dh = D.dh, r = D.r, P = D.P, L = D.L, V = D.V, Hr = H * r;
-  const int64_t M = static_cast<int64_t>(sv.size()) - 16;  // where the last layer's saved tensors start
-  const Tensor &x = sv[M], &A = sv[M + 1], &mean = sv[M + 2], &rstd = sv[M + 3], &Q = sv[M + 4], &U = sv[M + 5],
-               &QW = sv[M + 6], &UW = sv[M + 7], &QT = sv[M + 8], &Pr = sv[M + 9], &abar = sv[M + 10],
-               &z = sv[M + 11], &xL = sv[M + 12], &meanf = sv[M + 13], &rstdf = sv[M + 14], &Y = sv[M + 15];
+  int64_t base = static_cast<int64_t>(sv.size()) - kSavedLast;  // where the saved tensors being bound start
+#define SOFTPRIOR_BIND(name) const Tensor& name = sv[base + k_##name];
+  SOFTPRIOR_SAVED_LAST(SOFTPRIOR_BIND)
   Tensor Gf = G.reshape({B * P, V});
   const auto slot = [&](int64_t i) { return grads[i][k].mutable_data_ptr<scalar_t>(); };  // run k's gradient i
   // the tied unembedding and the final LayerNorm
   Tensor dE = at::mm(Gf.t(), Y);
-  Tensor dxL = ln_backward<scalar_t>(at::mm(Gf, W.E), xL, meanf, rstdf, W.lnfw, W.lnfb, slot(1 + 5 * L), slot(2 + 5 * L));
+  Tensor dxL = ln_backward<scalar_t>(at::mm(Gf, W.E), xL, meanf, rstdf, W.lnfw, W.lnfb, slot(final_param(L, kLnfW)), slot(final_param(L, kLnfB)));
   // the last layer
   const int64_t l = L - 1;
   const Tensor& Wl = W.win[l];
   Tensor posT = at::tensor(pos, tok.options());
-  grads[4 + 5 * l][k].copy_(at::mm(dxL.t(), z));
+  grads[layer_param(l, kWout)][k].copy_(at::mm(dxL.t(), z));
   Tensor dO = at::mm(dxL, W.wout[l]).view({B * P, H, dh}).transpose(0, 1);  // [H, B*P, dh]
   Tensor dWin = at::zeros_like(Wl);
   dWin.narrow(0, 2 * d, d).copy_(at::bmm(dO.transpose(1, 2), abar).reshape({d, d}));
@@ -680,7 +703,7 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
   {  // the position bias at the loss positions: d g_pos and d B^pos, the batch summed in order
     const scalar_t* ds = dS.const_data_ptr<scalar_t>();
     const scalar_t* bp = W.bpos[l].const_data_ptr<scalar_t>();
-    scalar_t* dbp = grads[5 + 5 * l][k].mutable_data_ptr<scalar_t>();
+    scalar_t* dbp = grads[layer_param(l, kBpos)][k].mutable_data_ptr<scalar_t>();
     const scalar_t* g = gp[l].const_data_ptr<scalar_t>();
     scalar_t* dg = dgp[l].mutable_data_ptr<scalar_t>();
     std::vector<scalar_t> db(H * P * T, scalar_t(0));
@@ -703,31 +726,32 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
   const std::vector<int64_t> qrows = query_rows(pos, B, T);
   Tensor dAf = dA3.view({B * T, d});
   add_rows<scalar_t>(dAf, qrows.data(), dAq.contiguous(), B * P);
-  grads[3 + 5 * l][k].copy_(dWin);
-  Tensor dx = ln_backward<scalar_t>(dA3.view({B * T, d}), x, mean, rstd, W.lnw[l], W.lnb[l], slot(1 + 5 * l), slot(2 + 5 * l));
+  grads[layer_param(l, kWin)][k].copy_(dWin);
+  Tensor dx = ln_backward<scalar_t>(dA3.view({B * T, d}), x, mean, rstd, W.lnw[l], W.lnb[l], slot(layer_param(l, kLnW)), slot(layer_param(l, kLnB)));
   add_rows<scalar_t>(dx, qrows.data(), dxL.contiguous(), B * P);  // the residual at the loss positions
   // middle layers, last first
   for (int64_t m = L - 2; m >= 1; --m) {
-    const int64_t o = kXl + 7 * (m - 1);
-    const Tensor &xm = sv[o], &Am = sv[o + 1], &meanm = sv[o + 2], &rstdm = sv[o + 3], &proj = sv[o + 4],
-                 &Pm = sv[o + 5], &Zm = sv[o + 6];
-    grads[4 + 5 * m][k].copy_(at::mm(dx.t(), Zm));
+    base = kSavedFirst + kSavedMiddle * (m - 1);
+    SOFTPRIOR_SAVED_MIDDLE(SOFTPRIOR_BIND)
+    grads[layer_param(m, kWout)][k].copy_(at::mm(dx.t(), Zm));
     Tensor dZ = at::mm(dx, W.wout[m]);
     Tensor dproj = at::zeros_like(proj);
     full_backward<scalar_t>(D, Rows0<scalar_t>{const_cast<scalar_t*>(proj.const_data_ptr<scalar_t>()), nullptr, T, D.W},
                             Rows0<scalar_t>{dproj.mutable_data_ptr<scalar_t>(), nullptr, T, D.W},
                             W.bpos[m].const_data_ptr<scalar_t>(), gp[m].const_data_ptr<scalar_t>(),
                             gc[m].const_data_ptr<scalar_t>(), qs, Pm.const_data_ptr<scalar_t>(),
-                            dZ.const_data_ptr<scalar_t>(), grads[5 + 5 * m][k].mutable_data_ptr<scalar_t>(),
+                            dZ.const_data_ptr<scalar_t>(), grads[layer_param(m, kBpos)][k].mutable_data_ptr<scalar_t>(),
                             dgp[m].mutable_data_ptr<scalar_t>(), dgc[m].mutable_data_ptr<scalar_t>());
-    grads[3 + 5 * m][k].copy_(at::mm(dproj.t(), Am));
-    Tensor dxm = ln_backward<scalar_t>(at::mm(dproj, W.win[m]), xm, meanm, rstdm, W.lnw[m], W.lnb[m], slot(1 + 5 * m),
-                                       slot(2 + 5 * m));
+    grads[layer_param(m, kWin)][k].copy_(at::mm(dproj.t(), Am));
+    Tensor dxm = ln_backward<scalar_t>(at::mm(dproj, W.win[m]), xm, meanm, rstdm, W.lnw[m], W.lnb[m], slot(layer_param(m, kLnW)),
+                                       slot(layer_param(m, kLnB)));
     dx = dx + dxm;
   }
   // layer 0 on the vocabulary
-  const Tensor &tab = sv[kTab], &A0 = sv[kA0], &mean0 = sv[kMean0], &rstd0 = sv[kRstd0], &P0 = sv[kP0], &Z0 = sv[kZ0];
-  grads[4][k].copy_(at::mm(dx.t(), Z0));
+  base = 0;
+  SOFTPRIOR_SAVED_FIRST(SOFTPRIOR_BIND)
+#undef SOFTPRIOR_BIND
+  grads[layer_param(0, kWout)][k].copy_(at::mm(dx.t(), Z0));
   Tensor dZ0 = at::mm(dx, W.wout[0]);
   Tensor dtab = at::zeros_like(tab);
   const int64_t* tk = tok.const_data_ptr<int64_t>();
@@ -735,20 +759,20 @@ void run_backward(const Params& W, const Dims& D, const Tensor& tok, const Tenso
     vocab_backward<scalar_t>(D, tab.const_data_ptr<scalar_t>(), tk, W.bpos[0].const_data_ptr<scalar_t>(),
                              gp[0].const_data_ptr<scalar_t>(), gc[0].const_data_ptr<scalar_t>(), qs,
                              P0.const_data_ptr<scalar_t>(), dZ0.const_data_ptr<scalar_t>(),
-                             dtab.mutable_data_ptr<scalar_t>(), grads[5][k].mutable_data_ptr<scalar_t>(),
+                             dtab.mutable_data_ptr<scalar_t>(), grads[layer_param(0, kBpos)][k].mutable_data_ptr<scalar_t>(),
                              dgp[0].mutable_data_ptr<scalar_t>(), dgc[0].mutable_data_ptr<scalar_t>());
   else
     full_backward<scalar_t>(D, Rows0<scalar_t>{const_cast<scalar_t*>(tab.const_data_ptr<scalar_t>()), tk, T, D.W},
                           Rows0<scalar_t>{dtab.mutable_data_ptr<scalar_t>(), tk, T, D.W},
                           W.bpos[0].const_data_ptr<scalar_t>(), gp[0].const_data_ptr<scalar_t>(),
                           gc[0].const_data_ptr<scalar_t>(), qs, P0.const_data_ptr<scalar_t>(),
-                          dZ0.const_data_ptr<scalar_t>(), grads[5][k].mutable_data_ptr<scalar_t>(),
+                          dZ0.const_data_ptr<scalar_t>(), grads[layer_param(0, kBpos)][k].mutable_data_ptr<scalar_t>(),
                           dgp[0].mutable_data_ptr<scalar_t>(), dgc[0].mutable_data_ptr<scalar_t>());
-  grads[3][k].copy_(at::mm(dtab.t(), A0));
-  Tensor dEn = ln_backward<scalar_t>(at::mm(dtab, W.win[0]), W.E, mean0, rstd0, W.lnw[0], W.lnb[0], slot(1), slot(2));
+  grads[layer_param(0, kWin)][k].copy_(at::mm(dtab.t(), A0));
+  Tensor dEn = ln_backward<scalar_t>(at::mm(dtab, W.win[0]), W.E, mean0, rstd0, W.lnw[0], W.lnb[0], slot(layer_param(0, kLnW)), slot(layer_param(0, kLnB)));
   dE.add_(dEn);
   add_rows<scalar_t>(dE, tk, dx.contiguous(), B * T);  // x_0 = E[tok]
-  grads[0][k].copy_(dE);
+  grads[kEmbed][k].copy_(dE);
 }
 
 std::vector<Tensor> step_backward(const std::vector<Tensor>& params_, const Tensor& gp_, const Tensor& gc_,
@@ -757,17 +781,17 @@ std::vector<Tensor> step_backward(const std::vector<Tensor>& params_, const Tens
   std::vector<Tensor> params;
   for (const auto& p : params_) params.push_back(p.contiguous());
   const Tensor gp = gp_.contiguous(), gc = gc_.contiguous(), tokens = tokens_.contiguous();
-  const Tensor dlogits = dlogits_.contiguous().to(params[0].scalar_type());
+  const Tensor dlogits = dlogits_.contiguous().to(params[kEmbed].scalar_type());
   const std::vector<int64_t> pos(pos_.begin(), pos_.end());
-  const int64_t K = params[0].size(0), H = gp.size(2);
+  const int64_t K = params[kEmbed].size(0), H = gp.size(2);
   const Dims D = dims_of(params, tokens, H, rank, static_cast<int64_t>(pos.size()));
   const int64_t per = static_cast<int64_t>(saved.size()) / K;
-  TORCH_CHECK(per * K == static_cast<int64_t>(saved.size()) && per == 6 + 7 * (D.L - 2) + 16,
+  TORCH_CHECK(per * K == static_cast<int64_t>(saved.size()) && per == saved_per_run(D.L),
               "softprior step: the saved tensors do not match the model");
   std::vector<Tensor> grads;
   for (const auto& p : params) grads.push_back(at::zeros_like(p));
   Tensor dgp = at::zeros_like(gp), dgc = at::zeros_like(gc);
-  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "softprior_step_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(params[kEmbed].scalar_type(), "softprior_step_backward", [&] {
     for_runs(K, [&](int64_t k) {
       const Params W(params, k, D.L);
       const std::vector<Tensor> sv(saved.begin() + k * per, saved.begin() + (k + 1) * per);

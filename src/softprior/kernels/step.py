@@ -17,7 +17,9 @@ Elsewhere the fast path runs as before (with the attention operator where it app
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -54,16 +56,26 @@ def why_not(cfg, tokens: bool, T: int, P: int) -> str | None:
     return None
 
 
+def _param_lists() -> dict[str, list[str]]:
+    """The parameter names of ``step.cpp``'s three lists (``SOFTPRIOR_EMBED_PARAM``, ``_LAYER_PARAMS``,
+    ``_FINAL_PARAMS``): the one place the operator's parameter order is written."""
+    text = (Path(__file__).parent / "step.cpp").read_text()
+    out = {}
+    for part in ("EMBED_PARAM", "LAYER_PARAMS", "FINAL_PARAMS"):
+        line = re.search(rf"^#define SOFTPRIOR_{part}\(X\) (.*)$", text, re.M)
+        if line is None:
+            raise RuntimeError(f"softprior step: step.cpp lost its SOFTPRIOR_{part} list")
+        out[part] = re.findall(r'X\(\w+, "([^"]+)"\)', line.group(1))
+    return out
+
+
 @lru_cache(maxsize=None)
 def param_names(L: int) -> tuple[str, ...]:
-    """The parameters in the operator's order: the embedding, per layer (LayerNorm weight and bias,
-    in_proj, out_proj, B^pos), the final LayerNorm."""
-    names = ["embed.weight"]
-    for l in range(L):
-        p = f"blocks.{l}."
-        names += [p + "ln.weight", p + "ln.bias", p + "attn.in_proj.weight", p + "attn.out_proj.weight",
-                  p + "attn.pos_bias"]
-    return tuple(names + ["ln_final.weight", "ln_final.bias"])
+    """The parameters in the operator's order (``step.cpp``'s lists): the embedding, per layer (LayerNorm
+    weight and bias, in_proj, out_proj, B^pos), the final LayerNorm."""
+    lists = _param_lists()
+    names = lists["EMBED_PARAM"] + [f"blocks.{l}.{n}" for l in range(L) for n in lists["LAYER_PARAMS"]]
+    return tuple(names + lists["FINAL_PARAMS"])
 
 
 class _Step(torch.autograd.Function):
