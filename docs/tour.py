@@ -80,7 +80,7 @@ def show(fig):
 # `WORKERS` processes.
 
 # %% tags=["train"]
-from softprior.executors import execute
+from softprior.executors.sweep import execute
 from softprior.experiments import PAPER_STEPS, Cell, get_experiment
 from softprior.paths import scale_to_budget
 

@@ -58,8 +58,8 @@ TINY = dict(steps=20, eval_every=10, n_val=64, batch_size=16)
 
 def record_progress(monkeypatch) -> list[tuple[int, int, int]]:
     """(run-steps shown, total, runs finished) at every redraw of the sweep bar
-    (``executors._Progress``), recorded in the returned list for the rest of the test."""
-    import softprior.executors as ex
+    (``executors.progress._Progress``), recorded in the returned list for the rest of the test."""
+    import softprior.executors.progress as ex
     states = []
     redraw = ex._Progress._redraw
 
@@ -117,7 +117,7 @@ def patch_train(monkeypatch, fn):
 
     train_mod = importlib.import_module("softprior.training.loop")
     orig = train_mod.train
-    for name in ("softprior.training.loop", "softprior.executors"):
+    for name in ("softprior.training.loop", "softprior.executors.job"):
         try:
             mod = importlib.import_module(name)
         except ImportError:

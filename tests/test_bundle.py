@@ -61,7 +61,7 @@ def _paper(monkeypatch, tmp_path):
 
 
 def _train(store, plugin_names=NAMES):
-    from softprior.executors import execute
+    from softprior.executors.sweep import execute
     from softprior.experiments import Options, get_experiment
     cfgs = list({c.cfg.run_id: c.cfg for n in plugin_names for c in get_experiment(n).build(Options())}.values())
     assert not execute(cfgs, store, progress=False, require_calibration=False).failed

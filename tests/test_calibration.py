@@ -19,7 +19,7 @@ from softprior.store.record_clock import check_calibrated, save_record
 from softprior.calibration.register import make_record
 from softprior.calibration.search import promising
 from softprior.config import make_run_config
-from softprior.executors import execute
+from softprior.executors.sweep import execute
 from softprior.store import RunStore
 
 U = Row(path="unforced")
@@ -207,7 +207,7 @@ def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
     import softprior
     from softprior import load_results
     from softprior.preregistration import shipped_records
-    from softprior.executors import run
+    from softprior.executors.sweep import run
     store = RunStore(tmp_path / "s")
     s = run(make_run_config("assoc_recall", "fade600", 0, steps=4, eval_every=4, n_val=16), store)
     assert s["softprior_version"] == softprior.__version__
@@ -223,7 +223,7 @@ def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
     from softprior.preregistration import shipped_records
     from softprior.experiments import Cell
     from softprior.report import provenance_note
-    from softprior.executors import run
+    from softprior.executors.sweep import run
     store = RunStore(tmp_path / "s")
     cfgs = [make_run_config("assoc_recall", "unforced", k, steps=4, eval_every=4, n_val=16) for k in (0, 1)]
     for c in cfgs:

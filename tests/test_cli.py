@@ -315,7 +315,7 @@ def test_bench_json_reports_the_issue_figures(capsys):
         2 * 20 * res["reference_ms_per_step"] / 1e3, rel=1e-2)
     assert res["sweep_ratio"] == pytest.approx(res["sweep_seconds"] / res["sweep_reference_seconds"], rel=1e-2)
     # the group scaling is measured, saved where --group auto reads it, and read back as measured
-    from softprior.executors import load_group_scaling
+    from softprior.executors.grouping import load_group_scaling
     assert load_group_scaling() == {int(k): v for k, v in res["group_scaling_ms"].items()}
     assert set(load_group_scaling()) == {1, 2, 4, 8}
     # the large model's table is measured too; a --quick one (3 steps) is shown, not saved

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from softprior.executors import execute
+from softprior.executors.sweep import execute
 from softprior.experiments import Options, get_experiment
 from softprior.report import aggregate, collect
 from softprior.store import RunStore
@@ -227,7 +227,7 @@ def test_ray_executor_gives_the_same_table_as_local(tmp_path, ray_cluster):
 
 def test_a_ray_sweep_reports_steps_inside_its_jobs(tmp_path, ray_cluster, monkeypatch):
     """Progress on Ray: the jobs put their steps into a Ray queue the driver polls (issue 30)."""
-    import softprior.executors as ex
+    import softprior.executors.backends as ex
     monkeypatch.setattr(ex, "PROGRESS_SECONDS", 0.01)
     states = record_progress(monkeypatch)
     cfgs = [tiny_config(seed=s, steps=60) for s in range(2)]
@@ -240,7 +240,7 @@ def test_a_ray_sweep_reports_steps_inside_its_jobs(tmp_path, ray_cluster, monkey
 def _ray_job_processes(psutil) -> list:
     """The Ray worker processes of this test session's Ray (descendants of this process) that are
     running a sweep job now: Ray titles a worker by the task it runs (``ray::_ray_work``), else ray::IDLE."""
-    import softprior.executors as ex
+    import softprior.executors.backends as ex
     title = f"ray::{ex._ray_work.__name__}"
     out = []
     for p in psutil.Process().children(recursive=True):
@@ -287,7 +287,7 @@ def test_a_ray_sweep_survives_a_worker_killed_mid_group(tmp_path, ray_cluster):
     with retries off its runs fail and this test does), the retry resumes from the group's checkpoint,
     and the sweep ends with every run stored once and the bits of a local sweep on the same configs."""
     psutil = pytest.importorskip("psutil")
-    import softprior.executors as ex
+    import softprior.executors.grouping as ex
     cfgs = [tiny_config(path=p, seed=s, steps=300, eval_every=50)
             for s, p in enumerate(["unforced", "fade600", "unforced", "fade600"])]
     groups = [[c.run_id for c in job] for job in ex._jobs(cfgs, 2)]
@@ -343,7 +343,7 @@ def test_a_local_sweep_survives_a_pool_worker_killed_mid_group(tmp_path):
     again and takes both jobs again (``POOL_MAX_RETRIES``; with retries at 0 their runs fail and this
     test does), each resumes from its checkpoint, and the sweep ends with every run stored once and the
     bits of a sweep nobody killed."""
-    import softprior.executors as ex
+    import softprior.executors.grouping as ex
     cfgs = [tiny_config(path=p, seed=s, steps=300, eval_every=50)
             for s, p in enumerate(["unforced", "fade600", "unforced", "fade600"])]
     groups = [[c.run_id for c in job] for job in ex._jobs(cfgs, 2)]
@@ -372,19 +372,20 @@ def test_a_local_sweep_survives_a_pool_worker_killed_mid_group(tmp_path):
 def test_a_crashed_job_keeps_its_checkpoint_and_the_next_sweep_resumes_it(tmp_path):
     """A job whose process died (a pool worker, a Ray job out of retries) fails its runs in this sweep
     but leaves its checkpoint, so the next sweep resumes the group instead of retraining it."""
-    import softprior.executors as ex
+    from softprior.executors.job import JobResult, work
+    from softprior.executors.sweep import SweepReport, _collect
     cfgs = [tiny_config(seed=s, steps=40, checkpoint_every=10) for s in range(2)]
     store = RunStore(tmp_path / "s")
-    ex.work(cfgs, checkpoints=str(store.root), checkpoint_seconds=10 ** 6)  # leaves the step-30 checkpoint
+    work(cfgs, checkpoints=str(store.root), checkpoint_seconds=10 ** 6)  # leaves the step-30 checkpoint
 
     class Crashed:  # a backend whose job died
         def next_done(self, poll=None):
-            return cfgs, None, ex.JobResult([(None, "worker crashed: WorkerCrashedError")] * 2, crashed=True)
+            return cfgs, None, JobResult([(None, "worker crashed: WorkerCrashedError")] * 2, crashed=True)
 
         def drain(self):
             return []
-    report = ex.SweepReport(total=2)
-    ex._collect(Crashed(), store, report, set(), None, None)
+    report = SweepReport(total=2)
+    _collect(Crashed(), store, report, set(), None, None)
     assert [rid for rid, _ in report.failed] == [c.run_id for c in cfgs]
     assert store.files.load_group_checkpoint([c.run_id for c in cfgs])["meta"]["step"] == 30
 
@@ -400,7 +401,7 @@ def test_a_crashed_job_keeps_its_checkpoint_and_the_next_sweep_resumes_it(tmp_pa
 def test_a_remote_ray_cluster_checkpoints_only_into_a_shared_store(tmp_path, monkeypatch):
     """Jobs on a cluster at --address write no checkpoints unless the store is shared
     (``shared_store`` / $SOFTPRIOR_SHARED_STORE); a node that does not see the store writes none."""
-    import softprior.executors as ex
+    import softprior.executors.backends as ex
     seen = []
 
     class Stop(Exception):
@@ -431,7 +432,7 @@ def test_a_remote_ray_cluster_checkpoints_only_into_a_shared_store(tmp_path, mon
 
 def test_jobs_are_balanced_groups_longest_first():
     from softprior.config import make_run_config
-    from softprior.executors import _jobs
+    from softprior.executors.grouping import _jobs
     base = [make_run_config("assoc_recall", "unforced", s, steps=40, calibrated=False) for s in range(13)]
     large = [make_run_config("assoc_recall", "unforced", s, model="large", steps=40, calibrated=False) for s in range(3)]
     jobs = _jobs(base + large, 6)
@@ -446,22 +447,22 @@ def test_costlier_schemes_are_scheduled_first(monkeypatch):
     # same shapes and group sizes: the contextual schemes by their measured factors (DAPE, CoPE, GPSA)
     # before a bias scheme (ALiBi), so the slowest groups do not end a sweep running alone; a scheme off
     # the fast path costs READABLE_STEP_COST times its step there
-    from softprior import executors
+    from softprior.executors import grouping
     from softprior.model import fastpath
     from softprior.config import make_run_config
-    from softprior.executors import _jobs
+    from softprior.executors.grouping import _jobs
     cfgs = [make_run_config("assoc_recall", seed=s, baseline=b, steps=40, calibrated=False)
             for b in ("alibi", "gpsa", "cope", "dape") for s in range(2)]
     assert all(fastpath.supports(c.model) for c in cfgs)  # every scheme on the fast path
     assert [j[0].model.positional for j in _jobs(cfgs, 2)] == ["dape", "cope", "gpsa", "alibi"]
-    alibi = executors._job_cost([cfgs[0]])
+    alibi = grouping._job_cost([cfgs[0]])
     supports = fastpath.supports
     monkeypatch.setattr(fastpath, "supports", lambda m: m.positional != "alibi" and supports(m))
-    assert executors._job_cost([cfgs[0]]) == alibi * executors.READABLE_STEP_COST
+    assert grouping._job_cost([cfgs[0]]) == alibi * grouping.READABLE_STEP_COST
 
 
 def test_auto_group_size_is_the_smallest_near_best_k_and_leaves_every_worker_a_group():
-    from softprior.executors import choose_group_size
+    from softprior.executors.grouping import choose_group_size
     scaling = {1: 10.0, 2: 8.0, 4: 6.2, 8: 6.0, 16: 7.0}
     assert choose_group_size(1000, 2, scaling) == 4  # 6.2 is within 5% of the best 6.0; smaller balances better
     assert choose_group_size(6, 2, scaling) == 3  # an equal share per worker: both work
@@ -477,7 +478,7 @@ def test_auto_group_size_is_the_smallest_near_best_k_and_leaves_every_worker_a_g
 def test_auto_group_size_is_chosen_per_model_size(monkeypatch):
     # each model size gets its own K from its own table: here the base model groups (K = 4 is within
     # 5% of the best) and the large model trains alone (grouping it only costs)
-    import softprior.executors as ex
+    import softprior.executors.grouping as ex
     from softprior.config import make_run_config
     monkeypatch.setattr(ex, "GROUP_SCALING_BY_MODEL", {"base": {1: 10.0, 4: 6.2, 8: 6.0},
                                                       "large": {1: 45.0, 2: 48.0, 6: 47.0}})
@@ -494,7 +495,7 @@ def test_auto_group_size_is_chosen_per_model_size(monkeypatch):
 
 
 def test_saved_group_scaling_is_per_model_size_and_read_first(tmp_path, monkeypatch):
-    import softprior.executors as ex
+    import softprior.executors.grouping as ex
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert ex.load_group_scaling() is None and ex.group_scaling("large") == ex.GROUP_SCALING_BY_MODEL["large"]
     ex.save_group_scaling({1: 9.0, 2: 5.0}, "base")
@@ -518,7 +519,7 @@ def test_execute_with_auto_group_trains_every_run(tmp_path):
 
 _KILLED_SWEEP = """
 import sys
-from softprior.executors import execute
+from softprior.executors.sweep import execute
 from softprior.store import RunStore
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config
@@ -562,7 +563,7 @@ def test_a_killed_sweep_resumes_its_group_from_the_checkpoint(tmp_path):
 
 
 def test_a_checkpointed_group_is_kept_together_when_the_plan_changes(tmp_path):
-    from softprior.executors import _jobs
+    from softprior.executors.grouping import _jobs
     cfgs = [tiny_config(seed=s) for s in range(6)]
     kept = [[cfgs[4].run_id, cfgs[1].run_id]]
     jobs = _jobs(cfgs, 3, kept)
@@ -574,26 +575,27 @@ def test_a_checkpointed_group_is_kept_together_when_the_plan_changes(tmp_path):
 def test_a_job_that_crashes_again_from_its_kept_checkpoint_loses_it(tmp_path):
     """A crashed job keeps its checkpoint once; crashing again from it (the group itself may be the cause,
     e.g. memory at its size) drops it, so the next sweep is free to group the runs anew."""
-    import softprior.executors as ex
+    from softprior.executors.job import JobResult, work
+    from softprior.executors.sweep import SweepReport, _collect
     cfgs = [tiny_config(seed=s, steps=40, checkpoint_every=10) for s in range(2)]
     store = RunStore(tmp_path / "s")
-    ex.work(cfgs, checkpoints=str(store.root), checkpoint_seconds=10 ** 6)
+    work(cfgs, checkpoints=str(store.root), checkpoint_seconds=10 ** 6)
     rids = [c.run_id for c in cfgs]
 
     class Crashed:
         def next_done(self, poll=None):
-            return cfgs, None, ex.JobResult([(None, "worker crashed: WorkerCrashedError")] * 2, crashed=True)
+            return cfgs, None, JobResult([(None, "worker crashed: WorkerCrashedError")] * 2, crashed=True)
 
         def drain(self):
             return []
-    ex._collect(Crashed(), store, ex.SweepReport(total=2), set(), None, None)
+    _collect(Crashed(), store, SweepReport(total=2), set(), None, None)
     assert store.files.checkpointed_group(rids[0]) == rids  # kept after the first crash
-    ex._collect(Crashed(), store, ex.SweepReport(total=2), set(), None, None)
+    _collect(Crashed(), store, SweepReport(total=2), set(), None, None)
     assert store.files.checkpointed_group(rids[0]) is None  # dropped after the second
 
 
 def test_executor_settings_from_the_environment_are_checked(monkeypatch):
-    from softprior.executors import SettingError, _env_flag, _env_int
+    from softprior.executors.environment import SettingError, _env_flag, _env_int
     for raw, want in (("", False), ("0", False), ("no", False), ("FALSE", False), ("1", True), ("yes", True)):
         monkeypatch.setenv("SOFTPRIOR_SHARED_STORE", raw)
         assert _env_flag("SOFTPRIOR_SHARED_STORE") is want, raw
@@ -605,7 +607,7 @@ def test_executor_settings_from_the_environment_are_checked(monkeypatch):
         _env_int("SOFTPRIOR_RAY_MAX_RETRIES", 3)
     monkeypatch.delenv("SOFTPRIOR_RAY_MAX_RETRIES")
     assert _env_int("SOFTPRIOR_RAY_MAX_RETRIES", 3) == 3
-    from softprior.executors import _env_seconds
+    from softprior.executors.environment import _env_seconds
     monkeypatch.setenv("SOFTPRIOR_CHECKPOINT_SECONDS", " 2.5 ")
     assert _env_seconds("SOFTPRIOR_CHECKPOINT_SECONDS", 60.0) == 2.5
     for bad in ("soon", "0", "-1", "nan", "inf"):
@@ -617,11 +619,11 @@ def test_executor_settings_from_the_environment_are_checked(monkeypatch):
 
 
 def test_performance_doc_quotes_the_built_in_group_scaling():
-    """docs/PERFORMANCE.md's built-in rows are ``executors.GROUP_SCALING_BY_MODEL``, and the choice it says
+    """docs/PERFORMANCE.md's built-in rows are ``executors.grouping.GROUP_SCALING_BY_MODEL``, and the choice it says
     they make for the README's job (9 base runs, 2 workers) is ``choose_group_size``'s."""
     from pathlib import Path
 
-    import softprior.executors as ex
+    import softprior.executors.grouping as ex
     doc = (Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md").read_text()
     table = doc.split("Group scaling at 1 thread")[1].split("\n\n")[1]
     ks = [int(c.strip().removeprefix("K = ")) for c in table.splitlines()[0].strip("|").split("|")[1:]]
@@ -638,7 +640,7 @@ def test_performance_doc_quotes_the_built_in_group_scaling():
 _SWEEP_TO_STOP = """
 import sys
 from softprior.config import make_run_config
-from softprior.executors import execute
+from softprior.executors.sweep import execute
 from softprior.store import RunStore
 kw = dict(eval_every=10, n_val=16, batch_size=8, calibrated=False, checkpoint_every=0)
 cfgs = [make_run_config("assoc_recall", "unforced", 0, steps=20, **kw),
@@ -692,8 +694,8 @@ def test_a_pools_threads_per_worker_count_the_cores_this_process_may_use(monkeyp
     slower on a small kernel beside a busy sweep)."""
     import os
 
-    from softprior import executors
+    from softprior.executors import backends
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1}, raising=False)
-    assert executors._Pool(1, None, None).threads == 1
+    assert backends._Pool(1, None, None).threads == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    assert executors._Pool(2, None, None).threads == 4
+    assert backends._Pool(2, None, None).threads == 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from softprior.cli import main
-from softprior.executors import execute
+from softprior.executors.sweep import execute
 from softprior.experiments import (QUICK_STEPS, Cell, Experiment, Options, UnknownExperimentError, get_experiment,
                                    list_experiments, load_plugin, register_experiment)
 from softprior.report import aggregate, collect, markdown_table, write_report

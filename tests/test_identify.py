@@ -244,7 +244,7 @@ def test_identify_and_space_together_are_refused_in_one_line(tmp_path):
 
 def test_length_variants_read_one_run_three_ways(tmp_path):
     from softprior.calibration.identify import length_variants
-    from softprior.executors import execute
+    from softprior.executors.sweep import execute
     from softprior.store import RunStore
     store = RunStore(tmp_path / "s")
     cfg = make_run_config("assoc_recall", "unforced", 0, steps=4, eval_every=2, n_val=64,
@@ -299,14 +299,14 @@ def test_an_identification_candidate_goes_on_to_all_seeds_when_its_hard_constrai
 
 
 def test_robustness_trains_the_fades_other_starts_and_shapes_on_the_wide_best_only(monkeypatch, tmp_path):
-    import softprior.executors
+    import softprior.executors.sweep
     from softprior.calibration import robustness as R
     space = load_space("assoc_recall_identify")
     cands = [_cand(space, i, {}, True, float(i)) for i in range(4)]
     monkeypatch.setattr(R, "store_records", lambda root: [{"space_digest": space.digest}])
     monkeypatch.setattr(R, "mapped", lambda space, cands: cands)
     trained = []
-    monkeypatch.setattr(softprior.executors, "execute", lambda cfgs, store, **kw: trained.append(len(cfgs)))
+    monkeypatch.setattr(softprior.executors.sweep, "execute", lambda cfgs, store, **kw: trained.append(len(cfgs)))
     store = type("Store", (), {"root": tmp_path})()
     for wide in (0, 1, 3):
         R.run_robustness(space, store, cands, wide=wide, all_fade=False)
@@ -362,7 +362,7 @@ def test_completion_measures_on_five_seeds_only_candidates_whose_hard_constraint
     """A candidate already broken on one seed cannot hold on five: completion never measures it (the
     search's non-learners match many rows and would rank first among the broken). One that breaks on a
     further seed drops out and nothing else is left: completion stops."""
-    import softprior.executors
+    import softprior.executors.sweep
     from softprior.calibration import identify, search
     space = load_space("assoc_recall_identify")
     good = [_cand(space, i, {}, True, float(i)) for i in range(3)]
@@ -377,7 +377,7 @@ def test_completion_measures_on_five_seeds_only_candidates_whose_hard_constraint
             measured.append(c.cid)
             if c is good[0]:  # a rare failure on a further seed
                 c.checks = {n: False for n in c.checks}
-    monkeypatch.setattr(softprior.executors, "execute", lambda cfgs, store, **kw: None)
+    monkeypatch.setattr(softprior.executors.sweep, "execute", lambda cfgs, store, **kw: None)
     monkeypatch.setattr(search, "keep_measurements", keep)
     monkeypatch.setattr(identify, "with_completed", lambda space, store, cands: cands)
     monkeypatch.setattr(identify, "completed_file", lambda space, store: tmp_path / "completed.json")

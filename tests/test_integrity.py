@@ -12,7 +12,7 @@ import pytest
 
 from conftest import state_dicts_equal, tiny_config
 from softprior.cli import main
-from softprior.executors import execute
+from softprior.executors.sweep import execute
 from softprior.store.integrity import verify_store
 from softprior.store import RunStore, StoreError
 from softprior.training.loop import train

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from softprior.cli import _record_report, main
-from softprior.executors import execute
+from softprior.executors.sweep import execute
 from softprior.provenance import code_version, provenance
 from softprior.store import RunStore
 from softprior.tasks.generators import make_task

@@ -173,7 +173,7 @@ def test_every_claim_reads_a_paper_experiment():
 
 def test_verdict_table_follows_the_store(tmp_path):
     """Regenerated from a small store, the verdict changes when a run's numbers change."""
-    from softprior.executors import execute
+    from softprior.executors.sweep import execute
     from softprior.report import write_report
     from softprior.store import RunStore
     store = RunStore(tmp_path / "s")
@@ -295,7 +295,7 @@ def test_continuation_claims_are_read_from_the_analysis_claims_table(tmp_path):
 def test_reports_written_in_parallel_equal_the_serial_ones(tmp_path):
     """``write_reports(workers=2)`` rebuilds each experiment's cells in a worker (plugins loaded
     there too) and writes the same files as one process does."""
-    from softprior.executors import execute
+    from softprior.executors.sweep import execute
     from softprior.experiments import load_plugin
     from softprior.paper import write_reports
     from softprior.store import RunStore

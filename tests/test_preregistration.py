@@ -185,7 +185,7 @@ def _row():
 
 
 def test_training_under_a_forged_shipped_record_is_refused(monkeypatch, repo, tmp_path):
-    from softprior.executors import execute
+    from softprior.executors.sweep import execute
     from softprior.store import RunStore
     row = _row()
     honest = _record(time.time() - 600, keys=[R.calibration_key(row)])
@@ -212,7 +212,7 @@ def _rewritten(monkeypatch, repo: Path) -> dict:
 
 
 def test_a_rewritten_committed_record_is_refused_by_train_and_by_store_verify(monkeypatch, repo, tmp_path):
-    from softprior.executors import execute
+    from softprior.executors.sweep import execute
     from softprior.store import RunStore
     from softprior.store.integrity import verify_store
     _rewritten(monkeypatch, repo)

@@ -4,8 +4,10 @@ ETA from the measured rate, and its timer ticks while the driver waits; reportin
 from __future__ import annotations
 
 
-import softprior.executors as ex
-from softprior.executors import execute, work
+import softprior.executors.backends as backends
+import softprior.executors.progress as ex
+from softprior.executors.job import work
+from softprior.executors.sweep import execute
 from softprior.store import RunStore
 
 from conftest import record_progress, state_dicts_equal, tiny_config
@@ -29,7 +31,7 @@ def test_a_job_reports_every_step_and_keeps_its_bits(tmp_path):
 
 def test_the_sweep_bar_moves_inside_a_group(tmp_path, monkeypatch):
     """The bar used to move only when a whole group ended: 0/2 runs for the group's whole training."""
-    monkeypatch.setattr(ex, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(backends, "PROGRESS_SECONDS", 0.0)
     states = record_progress(monkeypatch)
     cfgs = [tiny_config(seed=s) for s in range(2)]
     rep = execute(cfgs, RunStore(tmp_path / "s"), group_size=2, progress=True, require_calibration=False)
@@ -41,7 +43,7 @@ def test_the_sweep_bar_moves_inside_a_group(tmp_path, monkeypatch):
 
 
 def test_pool_workers_report_their_steps_and_the_timer_ticks(tmp_path, monkeypatch):
-    monkeypatch.setattr(ex, "PROGRESS_SECONDS", 0.01)  # also the workers' reporting period (passed to them)
+    monkeypatch.setattr(backends, "PROGRESS_SECONDS", 0.01)  # also the workers' reporting period (passed to them)
     states = record_progress(monkeypatch)
     cfgs = [tiny_config(seed=s, steps=60) for s in range(2)]
     rep = execute(cfgs, RunStore(tmp_path / "s"), workers=2, group_size=1, progress=True, require_calibration=False)

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 import softprior.experiments as experiments
-from softprior.executors import execute
+from softprior.executors.sweep import execute
 from softprior.experiments import Cell, Experiment
 from softprior.report import aggregate, copy_floor, describe, markdown_table, plot_bars, write_report
 from softprior.store import RunStore

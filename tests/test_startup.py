@@ -73,7 +73,7 @@ import json, sys, types
 import softprior
 light = "torch" not in sys.modules
 names = {n: type(getattr(softprior, n)).__name__ for n in softprior.__all__}
-import softprior.training.loop, softprior.executors
+import softprior.training.loop, softprior.executors.sweep
 from softprior import train
 print(json.dumps({"light": light, "names": names, "train": callable(train) and callable(softprior.train)
                   and train is softprior.training.loop.train,

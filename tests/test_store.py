@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import softprior.executors as runner_mod
+import softprior.executors.sweep as runner_mod
 from conftest import patch_train, state_dicts_equal, tiny_config
 from softprior.paths import GateConfig, PathConfig
 from softprior.schedules import Fade

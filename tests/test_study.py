@@ -68,7 +68,7 @@ def test_registries_name_their_entries_and_refuse_unknown_ones(plugins):
 
 def test_a_plugin_prediction_row_is_refused_without_a_record(plugins, tmp_path):
     from softprior.config import make_run_config
-    from softprior.executors import execute
+    from softprior.executors.sweep import execute
     from softprior.preregistration import CalibrationMissing, needs_record
     from softprior.store import RunStore
     fade = make_run_config("second_occurrence", "fade600", 0, steps=2)

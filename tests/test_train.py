@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import softprior.executors as runner_mod
+import softprior.executors.sweep as runner_mod
 from conftest import state_dicts_equal, tiny_config
 from softprior.paths import GateConfig, PathConfig, get_path
 from softprior.schedules import Fade, HardSwitch

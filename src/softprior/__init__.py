@@ -10,7 +10,7 @@ import importlib
 
 _API = {"RunConfig": "config", "make_run_config": "config", "ModelConfig": "model.config",
         "SoftPriorTransformer": "model.transformer", "model_preset": "model.config", "GateConfig": "paths", "PathConfig": "paths",
-        "get_path": "paths", "register_path": "paths", "run": "executors", "RunStore": "store",
+        "get_path": "paths", "register_path": "paths", "run": "executors.sweep", "RunStore": "store",
         "load_results": "store", "train": "training.loop"}
 
 __all__ = list(_API)

@@ -209,14 +209,14 @@ def _alternate(ours, ref, n: int, reps: int, thread_counts) -> dict:
 def sweep_bench(n_runs: int, reference_ms: float, steps: int = 3600, workers: int | None = None,
                 log=print) -> dict:
     """Wall time of a sweep of ``n_runs`` base runs (associative recall, alternately unforced and
-    fade600, seeds 0..n-1) through the same driver as ``softprior reproduce`` (``executors.execute``,
+    fade600, seeds 0..n-1) through the same driver as ``softprior reproduce`` (``executors.sweep.execute``,
     ``workers`` processes, groups of ceil(n / workers)), into a throw-away store; against ``n_runs``
     sequential reference runs at ``reference_ms`` per step."""
     import math
     import os
     import tempfile
     from .config import make_run_config
-    from .executors import execute
+    from .executors.sweep import execute
     from .store import RunStore
     workers = workers or os.cpu_count() or 1
     group = math.ceil(n_runs / workers)
@@ -241,7 +241,7 @@ def measure_group_scaling(ks=(1, 2, 4, 8, 16), steps: int = 30, threads: int = 1
                           model: str = "base") -> dict[int, float]:
     """ms per run-step of ``engine.train_group`` for a group of each K in ``ks`` of ``model`` (a
     preset), at ``threads`` torch threads (a sweep worker's setting): the table ``--group auto``
-    chooses from for that model size (``executors.group_sizes``)."""
+    chooses from for that model size (``executors.grouping.group_sizes``)."""
     from .config import make_run_config
     from .training.engine import train_group
     old = torch.get_num_threads()
@@ -309,7 +309,7 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     log("group scaling (the table `--group auto` chooses from):")
     scaling = measure_group_scaling((1, 2, 4, 8) if quick else (1, 2, 4, 8, 16), steps=steps if quick else 50, log=log)
     large = measure_group_scaling((1, 2) if quick else (1, 2, 4, 6), steps=3 if quick else 12, log=log, model="large")
-    from .executors import choose_group_size, save_group_scaling
+    from .executors.grouping import choose_group_size, save_group_scaling
     # a --quick large-model table (3 steps: mostly set-up and the final evaluation) is shown, not saved
     for m, table in (("base", scaling),) + ((("large", large),) if not quick else ()):
         log(f"  saved to {save_group_scaling(table, m)}; --group auto picks K={choose_group_size(10 ** 6, 1, table)} "

@@ -232,7 +232,7 @@ def cmd_train(args) -> int:
     from .config import make_run_config
     from .experiments import PAPER_STEPS
     from .paths import fits_budget, scale_to_budget, settles_at
-    from .executors import run
+    from .executors.sweep import run
     from .training.runtime import choose_threads
     from .model.transformer import build_model
 
@@ -383,7 +383,7 @@ def _only(args, names: list[str]) -> list[str]:
 
 def _paper_sweep(args, store, cfgs) -> int:
     """One training sweep of the paper; how many runs failed."""
-    from .executors import execute
+    from .executors.sweep import execute
     t0 = time.perf_counter()
     report = execute(cfgs, store, executor=args.executor, workers=args.workers, group_size=args.group,
                      address=args.address, progress=not args.no_progress, require_calibration=not args.exploratory)
@@ -565,7 +565,7 @@ def _group_arg(v: str) -> int | str:
 
 def _group_shown(args, cfgs, store) -> str:
     """The group size a sweep of ``cfgs`` will use (``auto`` resolved as ``execute`` resolves it)."""
-    from .executors import sweep_plan
+    from .executors.sweep import sweep_plan
     _, ks = sweep_plan(cfgs, store, args.group, args.workers)
     if args.group != "auto":
         return str(args.group)
@@ -573,7 +573,7 @@ def _group_shown(args, cfgs, store) -> str:
 
 
 def cmd_reproduce(args) -> int:
-    from .executors import execute
+    from .executors.sweep import execute
     if args.workers < 1:
         raise CliError(f"--workers must be >= 1, got {args.workers}")
     _check_executor(args)
@@ -1047,7 +1047,7 @@ def _add_reproduce_args(r) -> None:
     r.add_argument("--executor", default="local", choices=["local", "ray"])
     r.add_argument("--group", type=_group_arg, default="auto", help="runs trained together in one "
                    "process, their parameters stacked on a run dimension (engine.train_group); 'auto' "
-                   "(default): chosen per model size from its measured group scaling (executors.group_sizes)")
+                   "(default): chosen per model size from its measured group scaling (executors.grouping.group_sizes)")
     r.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray)")
     r.add_argument("--device", default=None, help="where runs train (single runs and groups), e.g. cuda "
                    "(default: $SOFTPRIOR_DEVICE or cpu)")
@@ -1185,7 +1185,7 @@ class CliFailure(Exception):
 # nothing (an error whose module was never imported cannot have been raised). A failure is tried first
 # (StoreDamagedError is a StoreError).
 _FAILURES = (("softprior.cli", "CliFailure"), ("softprior.store.errors", "StoreDamagedError"),
-             ("softprior.executors", "RunFailedError"), ("softprior.tour", "TourError"))
+             ("softprior.executors.sweep", "RunFailedError"), ("softprior.tour", "TourError"))
 _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.store.errors", "StoreError"),  # a run or store not there, a store not writable
               ("softprior.paths", "UnknownPathError"), ("softprior.tasks.registry", "UnknownTaskError"),
@@ -1196,7 +1196,7 @@ _BAD_INPUT = (("softprior.cli", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.study", "StudyError"), ("softprior.model.priors", "UnknownPriorError"),
               ("softprior.preregistration", "CalibrationMissing"),  # and RecordRefused, a subclass
               ("softprior.preregistration", "UnknownRecordError"),
-              ("softprior.report", "DirtyRunsRefused"), ("softprior.executors", "SettingError"),
+              ("softprior.report", "DirtyRunsRefused"), ("softprior.executors.environment", "SettingError"),
               ("softprior.interop", "ExportError"), ("softprior.interop", "MissingExtraError"))
 
 

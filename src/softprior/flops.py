@@ -1,6 +1,6 @@
 """What the machine and a training step cost, counted without running a sweep: the machine's fp32 GEMM
 rate (``gemm_rate``) and the matmul FLOPs of one training step (``train_step_flops``). The sweep's
-time ledger (``executors``) and ``softprior bench`` both read them; a module of its own, below both
+time ledger (``executors.ledger``) and ``softprior bench`` both read them; a module of its own, below both
 (``bench`` measures sweeps through ``executors``, so the ledger cannot import ``bench``)."""
 
 from __future__ import annotations

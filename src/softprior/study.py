@@ -277,7 +277,7 @@ def _execute(plan: StudyPlan, store, cfgs, log, registered: bool = True) -> None
     """Train ``cfgs``; ``registered=False`` for the robustness map, whose other candidates no record
     covers (as ``calibration.robustness.run_robustness``: the map comes after the registration and
     never feeds back into the choice)."""
-    from .executors import execute
+    from .executors.sweep import execute
     if not cfgs:
         return
     rep = execute(cfgs, store, executor=plan.executor, workers=plan.workers, group_size=plan.group_size,

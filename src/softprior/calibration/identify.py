@@ -160,7 +160,7 @@ def complete(space, store, cands, *, k: int | None = None, steps=None, log=print
     than ``k`` are then measured on five seeds, the least broken of the rest (``seeds_held``, then the
     rank) fill them up to ``k``: the identified set is the ``k`` best measured on five seeds
     (``identified``). Resumable: the measurements are kept beside the study."""
-    from ..executors import execute
+    from ..executors.sweep import execute
     from .search import candidate_configs, keep_measurements
     seeds = list(range(REGISTER_SEEDS))
     k = space.min_set if k is None else k

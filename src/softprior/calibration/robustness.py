@@ -94,7 +94,7 @@ def run_robustness(space, store, cands, *, executor="local", workers=1, group_si
                    steps: int | None = None, all_fade: bool = True, wide: int = TOP_WIDE):
     """Train the map's rows (an identified set's ``wide`` best configurations also the fade's other
     starts and shapes). Refuses unless a calibration record of this space is registered."""
-    from ..executors import execute
+    from ..executors.sweep import execute
     from ..preregistration import CalibrationMissing
     if not any(r.get("space_digest") == space.digest for r in store_records(store.root)):
         raise CalibrationMissing(f"no calibration record of space {space.name!r} is registered in "

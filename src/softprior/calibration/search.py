@@ -7,7 +7,7 @@ seed counts). The promotion rule is declared, not tuned: every per-seed ("each")
 the first seeds, and every mean criterion lies within twice its tolerance (bound-only criteria: within
 0.1). A pruner (``_pruner``, built when a search runs) applies it through Optuna's pruning interface.
 
-Trials are asked in batches; all their runs go through ``executors.execute`` in one call, so
+Trials are asked in batches; all their runs go through ``executors.sweep.execute`` in one call, so
 grouping, worker processes, Ray and resume-after-kill work as for any sweep. Optuna's study lives in
 SQLite beside the run store (``STORE/optuna.sqlite3``); a trial left RUNNING by a killed process is
 re-enqueued with the same parameters (its runs are already stored or are retrained), so a search
@@ -218,7 +218,7 @@ def run_search(space: SearchSpace, store, *, budget: int, executor: str = "local
     from optuna.distributions import CategoricalDistribution
     from optuna.trial import TrialState
 
-    from ..executors import execute
+    from ..executors.sweep import execute
 
     study = _study(space, store)
     if not study.get_trials(deepcopy=False):
@@ -309,7 +309,7 @@ def complete_nearest(space: SearchSpace, store, cands: list[Candidate], k: int =
     """When no candidate passes, the ``k`` nearest that were pruned after the first seeds are measured
     on every seed (difficulty rows only), so the nearest candidate is chosen on as many seeds as a
     passing one would be (a declared rule; the results are kept beside the study)."""
-    from ..executors import execute
+    from ..executors.sweep import execute
     if any(c.status == "passes" for c in cands):
         return cands
     from ..preregistration import calibration_key

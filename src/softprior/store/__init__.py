@@ -130,7 +130,7 @@ class RunStore:
                       gemm_gflops: float | None = None, detail: dict | None = None) -> None:
         """Append a row to the time ledger (table ``ledger``, append-only): the wall ``seconds`` of a
         ``kind`` = "job" (one run or a group trained together; a job resumed from checkpoints counts each
-        piece), "report" or "sweep" (one ``executors.execute`` call, the driver's whole wall time), the
+        piece), "report" or "sweep" (one ``executors.sweep.execute`` call, the driver's whole wall time), the
         ``flop`` it trained (``bench.train_step_flops`` x steps, summed over its ``runs``), when it
         started (unix time), the host, the code version (``provenance.code_version``), the GEMM rate the
         sweep measured (``bench.gemm_rate``, GFLOP/s), and a JSON-able ``detail`` (run ids, pieces, ...).

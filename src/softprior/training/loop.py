@@ -487,7 +487,7 @@ def _loop(runs, cfgs, start, metrics, snapshots, loss_sum, n_in_window, clock, o
             if K == 1:
                 ck["snapshots"] = list(snapshots[0])
             if stop:
-                ck["meta"]["interrupted"] = True  # saved whatever the schedule (``executors._Reporter``)
+                ck["meta"]["interrupted"] = True  # saved whatever the schedule (``executors.job._Reporter``)
             on_checkpoint(ck)
         if bar is not None:
             bar.update(1)
