@@ -20,7 +20,7 @@
 # token of their own for Ray's token authentication (WORK/auth_token). The
 # nodes' workers inherit this shell's environment (PYTHONPATH included), so they import the same
 # softprior as the driver. Runs are refused from a checkout with uncommitted changes unless ARGS has
-# --exploratory (cli._refuse_dirty_training).
+# --exploratory (cli.common._refuse_dirty_training).
 set -euo pipefail
 
 EXP=${EXP:-paper}

@@ -98,13 +98,13 @@ def test_the_import_graph_has_no_cycle(tmp_path):
 
 
 def test_no_lower_layer_imports_calibration():
-    """Calibration is a top layer (the search, its reports, pre-registration): only the command line,
-    the paper's driver and the study's (``softprior study``: the driver and its report) import it. The records every layer reads live below ``config``
+    """Calibration is a top layer (the search, its reports, pre-registration): only the command line's
+    ``calibrate`` (``cli/calibrate.py``), the paper's driver and the study's (``softprior study``: the driver and its report) import it. The records every layer reads live below ``config``
     (``softprior.preregistration``), the store's records and clock in ``softprior.store.record_clock``."""
     graph = import_graph()
     users = {m for m, deps in graph.items() if not m.startswith("softprior.calibration")
              and any(d == "softprior.calibration" or d.startswith("softprior.calibration.") for d in deps)}
-    assert users <= {"softprior.cli", "softprior.paper", "softprior.study", "softprior.study_report"}, sorted(users)
+    assert users <= {"softprior.cli.calibrate", "softprior.paper", "softprior.study", "softprior.study_report"}, sorted(users)
     assert not {d for d in graph["softprior.preregistration"] if d != "softprior"}, graph["softprior.preregistration"]
 
 

@@ -10,7 +10,8 @@ import sqlite3
 import pytest
 import torch
 
-from softprior.cli import _record_report, main
+from softprior.cli import main
+from softprior.cli.outputs import _record_report
 from softprior.executors.sweep import execute
 from softprior.provenance import code_version, provenance
 from softprior.store import RunStore

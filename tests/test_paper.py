@@ -133,11 +133,11 @@ def test_extended_cells_are_the_same_configurations_at_further_seeds():
 
 
 def test_the_paper_command_extends_undecided_cells_before_calling_them(monkeypatch):
-    """``cli._more_seeds`` (what ``reproduce paper`` and ``report paper`` run after the paper's seeds):
+    """``cli.paper._more_seeds`` (what ``reproduce paper`` and ``report paper`` run after the paper's seeds):
     the extension decided on the paper-seed tables, the cells rebuilt with it, and the added runs
     (not those already stored) handed back to train."""
     import softprior.paper as paper
-    from softprior.cli import _more_seeds
+    from softprior.cli.paper import _more_seeds
     names = ["causal_controls"]
     exps = paper.paper_cells(Options(), names)
     seen = []
