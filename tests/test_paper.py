@@ -245,7 +245,7 @@ def test_quick_keeps_the_shape_of_every_path():
 def test_formation_step_and_summary_by_hand(tmp_path):
     """The step at which normal accuracy first exceeds .5, per seed, beside the verdicts."""
     from softprior.paper import formation_summary
-    from softprior.report import formation_step
+    from softprior.cells import formation_step
     rows = [{"step": 300, "normal_acc": 0.2}, {"step": 600, "normal_acc": 0.5}, {"step": 900, "normal_acc": 0.51},
             {"step": 1200, "normal_acc": 0.3}]
     assert formation_step(rows) == 900  # strictly above .5; the first such step, even if it drops later

@@ -4,16 +4,21 @@ reports (``softprior.report``, ``softprior.analysis.reports``) read them; a modu
 both, so that neither has to import the other for the type.
 
 "normal" and "zero" at the training length come from the stored run summary; other evaluations are
-computed from the stored weights at report time (cheap and deterministic).
+computed from the stored weights at report time (cheap and deterministic): ``evaluate_cell``, which the
+reports and the calibration search read a cell with, as they read a run's ``formation_step``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .config import RunConfig
 
-__all__ = ["Eval", "Cell", "NORMAL", "ZERO"]
+if TYPE_CHECKING:
+    from .store import RunStore
+
+__all__ = ["Eval", "Cell", "NORMAL", "ZERO", "evaluate_cell", "formation_step"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +88,47 @@ class Cell:
     row: str
     col: str = ""
     evals: tuple[Eval, ...] = (ZERO, NORMAL)
+
+
+def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = None) -> float:
+    """``cell``'s run under ``ev``: from its summary ("normal", "zero"), else computed from its weights
+    (asked of the source as ``evaluation``: a bundle gives back the value it recorded)."""
+    from .bundle import ask
+    cfg = cell.cfg
+    summary = store.summary(cfg.run_id)
+    m = summary["metric"]
+    if ev.from_summary:
+        return float(summary[("zero_" if ev.gates == (0.0, 0.0) else "normal_") + m])
+    key = {"run": cfg.run_id, "gates": list(ev.gates) if ev.gates is not None else None, "length": ev.length,
+           "metric": m, **({"reading": ev.reading} if ev.reading else {})}
+    return float(ask(store, "evaluation", key, lambda: _evaluate_weights(store, cell, ev, m, _cache)))
+
+
+def _evaluate_weights(store, cell: Cell, ev: Eval, m: str, _cache: dict | None) -> float:
+    from .tasks.generators import make_task
+    from .training.loop import evaluate
+    cfg = cell.cfg
+    key = cfg.run_id
+    if _cache is not None and key in _cache:
+        model = _cache[key]
+    else:
+        _, model = store.load_model(cfg.run_id)
+        if _cache is not None:
+            _cache[key] = model
+    length = ev.length or cfg.model.n_ctx
+    if ev.reading:  # the same weights read past the training length as the record registered (a copy of
+        # the model: the view changes its config in place)
+        cfg, model = length_view(cfg, store.load_model(cfg.run_id)[1], ev.reading, length)
+    task = make_task(cfg.task)
+    val = cfg.validation_batch(task, length=length)
+    gp, gc = ev.gates if ev.gates is not None else (None, None)
+    return float(evaluate(model, task, val.inputs, val.targets, gp, gc)[m])
+
+
+def formation_step(metrics: list[dict], metric: str = "acc", level: float = 0.5) -> int | None:
+    """The first evaluated step at which normal accuracy exceeds ``level``: when the circuit forms
+    (a diagnostic, never a calibration target)."""
+    for r in metrics:
+        if r.get(f"normal_{metric}", 0.0) > level:
+            return int(r["step"])
+    return None

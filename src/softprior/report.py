@@ -25,11 +25,11 @@ from pathlib import Path
 
 
 from .bundle import BundleError, ask
-from .cells import HALF
-from .experiments import Cell, Eval, Experiment
+from .cells import HALF, evaluate_cell, formation_step
+from .experiments import Cell, Experiment
 from .store import RunStore, StoreError
 
-__all__ = ["collect", "aggregate", "write_report", "evaluate_cell", "splice_into_doc", "dirty_runs", "check_clean",
+__all__ = ["collect", "aggregate", "write_report", "splice_into_doc", "dirty_runs", "check_clean",
            "DirtyRunsRefused"]
 
 
@@ -51,40 +51,6 @@ def splice_into_doc(doc: str | Path, name: str, md: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     doc.write_text(text)
-
-
-def evaluate_cell(store: RunStore, cell: Cell, ev: Eval, _cache: dict | None = None) -> float:
-    """``cell``'s run under ``ev``: from its summary ("normal", "zero"), else computed from its weights
-    (asked of the source as ``evaluation``: a bundle gives back the value it recorded)."""
-    cfg = cell.cfg
-    summary = store.summary(cfg.run_id)
-    m = summary["metric"]
-    if ev.from_summary:
-        return float(summary[("zero_" if ev.gates == (0.0, 0.0) else "normal_") + m])
-    key = {"run": cfg.run_id, "gates": list(ev.gates) if ev.gates is not None else None, "length": ev.length,
-           "metric": m, **({"reading": ev.reading} if ev.reading else {})}
-    return float(ask(store, "evaluation", key, lambda: _evaluate_weights(store, cell, ev, m, _cache)))
-
-
-def _evaluate_weights(store, cell: Cell, ev: Eval, m: str, _cache: dict | None) -> float:
-    from .tasks.generators import make_task
-    from .training.loop import evaluate
-    cfg = cell.cfg
-    key = cfg.run_id
-    if _cache is not None and key in _cache:
-        model = _cache[key]
-    else:
-        _, model = store.load_model(cfg.run_id)
-        if _cache is not None:
-            _cache[key] = model
-    length = ev.length or cfg.model.n_ctx
-    if ev.reading:  # the same weights read past the training length as the record registered (a copy of
-        from .cells import length_view  # the model: the view changes its config in place)
-        cfg, model = length_view(cfg, store.load_model(cfg.run_id)[1], ev.reading, length)
-    task = make_task(cfg.task)
-    val = cfg.validation_batch(task, length=length)
-    gp, gc = ev.gates if ev.gates is not None else (None, None)
-    return float(evaluate(model, task, val.inputs, val.targets, gp, gc)[m])
 
 
 def collect(store: RunStore, cells: list[Cell]):
@@ -621,15 +587,6 @@ def provenance_note(store: RunStore, cells: list[Cell]) -> str:
         print(f"softprior: warning: {warn.strip('*')}", file=sys.stderr)
         line += "\n" + warn + "\n"
     return line
-
-
-def formation_step(metrics: list[dict], metric: str = "acc", level: float = 0.5) -> int | None:
-    """The first evaluated step at which normal accuracy exceeds ``level``: when the circuit forms
-    (a diagnostic, never a calibration target)."""
-    for r in metrics:
-        if r.get(f"normal_{metric}", 0.0) > level:
-            return int(r["step"])
-    return None
 
 
 def formation_table(store: RunStore, cells: list[Cell]):

@@ -21,8 +21,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..cells import formation_step
 from ..config import make_run_config, validation_message
-from ..report import formation_step
 from .criteria import PAPER_ACCURACY, Criterion, Row, criteria_for, difficulty_rows, trajectory_effect
 from .space import SearchSpace
 
@@ -133,13 +133,12 @@ _EVALS = {"pos=0": ((0.0, None), None), "content=0": ((None, 0.0), None), "T=120
 
 
 def read_value(store, cfg, read: str) -> float:
-    """One identification read of a stored run: an evaluation from its weights (``report.evaluate_cell``,
+    """One identification read of a stored run: an evaluation from its weights (``cells.evaluate_cell``,
     cached in the store like every report's), or its parameter count in thousands (no weights needed)."""
     if read == "params":
         from ..model.transformer import build_model
         return build_model(cfg).n_params() / 1000.0
-    from ..cells import Cell, Eval
-    from ..report import evaluate_cell
+    from ..cells import Cell, Eval, evaluate_cell
     gates, length = _EVALS[read]
     return evaluate_cell(store, Cell(cfg, row=cfg.path.name), Eval(read, gates, length))
 
