@@ -124,7 +124,7 @@ print(report.line())
 # At a smaller budget (`SOFTPRIOR_TOUR_STEPS`) none of this need hold: such numbers are a smoke test.
 
 # %% tags=["contrast-table"]
-from softprior.report import aggregate, collect
+from softprior.reports.experiment import aggregate, collect
 
 long = collect(store, cells)  # one row per (run, evaluation)
 agg = aggregate(long).set_index(["row", "column"])
@@ -145,7 +145,7 @@ print(f"chance: {chance:.3f}   Bayes ceiling: {agg['ceiling'].iloc[0]:.3f}   see
 # %% tags=["report-figure"]
 from IPython.display import Markdown
 
-from softprior.report import write_report
+from softprior.reports.experiment import write_report
 
 # a look at the runs, not a result: runs trained from a checkout with changes enter it, marked exploratory
 md = write_report(store, get_experiment("removability"), cells, OUT, exploratory=True)

@@ -139,7 +139,7 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
     --from-bundle`` writes every text file again, byte for byte, and every figure (PNG bytes may
     differ: matplotlib's, not ours)."""
     from softprior.calibration import load_space
-    from softprior.calibration.doc import register
+    from softprior.reports.calibration_doc import register
     from softprior.calibration.search import run_search
     from softprior.store import RunStore
     _code(monkeypatch, "0123456789ab")
@@ -298,7 +298,7 @@ def test_a_dirty_run_enters_only_a_table_marked_exploratory(tmp_path, monkeypatc
     then regenerates the marked table; a sweep in a dirty checkout (the paper's, or one experiment's)
     refuses before training."""
     from softprior.experiments import Options, get_experiment
-    from softprior.report import DirtyRunsRefused, write_report
+    from softprior.reports.experiment import DirtyRunsRefused, write_report
     from softprior.store import RunStore
     _code(monkeypatch, "0123456789ab+dirty")
     plugin = _paper(monkeypatch, tmp_path)

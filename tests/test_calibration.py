@@ -222,7 +222,7 @@ def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
 def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
     from softprior.preregistration import shipped_records
     from softprior.experiments import Cell
-    from softprior.report import provenance_note
+    from softprior.reports.experiment import provenance_note
     from softprior.executors.sweep import run
     store = RunStore(tmp_path / "s")
     cfgs = [make_run_config("assoc_recall", "unforced", k, steps=4, eval_every=4, n_val=16) for k in (0, 1)]
@@ -251,7 +251,7 @@ def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
 
 
 def test_register_refuses_after_a_prediction_row_and_names_the_record(tmp_path):
-    from softprior.calibration.doc import register
+    from softprior.reports.calibration_doc import register
     from softprior.calibration.search import Candidate, candidate_configs
     from softprior.calibration.robustness import prediction_rows
     space = load_space("tiny")
@@ -277,7 +277,7 @@ def test_register_refuses_after_a_prediction_row_and_names_the_record(tmp_path):
 
 
 def test_formation_by_axis_names_the_axis_that_moves_formation():
-    from softprior.calibration.report import formation_by_axis
+    from softprior.reports.calibration import formation_by_axis
     from softprior.calibration.search import Candidate
 
     def cand(n, std, pairs, formation):
@@ -514,10 +514,10 @@ def test_a_report_verifies_the_records_its_runs_name(tmp_path):
 
 
 def test_a_table_refuses_runs_whose_record_no_one_holds(tmp_path):
-    """``report.provenance_note`` (every table's provenance line) verifies the records its runs name."""
+    """``reports.experiment.provenance_note`` (every table's provenance line) verifies the records its runs name."""
     from softprior.preregistration import shipped_records
     from softprior.cells import Cell
-    from softprior.report import provenance_note
+    from softprior.reports.experiment import provenance_note
 
     class Source:  # a report's source (a store or a bundle) holding one finished prediction run
         root = tmp_path
@@ -543,7 +543,7 @@ def test_a_registered_default_trains_the_configurations_the_search_measured(tmp_
     """A candidate inherits what its space does not vary from the package default (``candidate_configs``);
     the record keeps those inherited options, so the new default (plain config + the record's options)
     builds the very configurations the search measured, run id for run id."""
-    from softprior.calibration.doc import register
+    from softprior.reports.calibration_doc import register
     from softprior.calibration.search import Candidate, candidate_configs
     from softprior.config import make_run_config
     from softprior.preregistration import default_options
@@ -570,7 +570,7 @@ def test_an_infeasible_candidate_says_why_in_one_line(tmp_path):
     from optuna.distributions import CategoricalDistribution
     from pydantic import ValidationError
 
-    from softprior.calibration.report import candidates_table
+    from softprior.reports.calibration import candidates_table
     from softprior.calibration.search import _study, candidate_configs, load_candidates, refused_reason
     from softprior.config import validation_message
     space = load_space("linear_icl_formats")
@@ -612,7 +612,7 @@ def test_no_rows_is_no_configs_and_linear_icl_registers_over_its_own_difficulty_
 def test_the_map_block_names_its_rows_or_says_it_has_none():
     """The robustness block's header names the prediction rows it trains, and says so when a task's
     mapped claims read only difficulty rows (linear ICL) instead of printing an empty list."""
-    from softprior.calibration.doc import _mapped_rows
+    from softprior.reports.calibration_doc import _mapped_rows
     from softprior.calibration.robustness import prediction_rows
     assert _mapped_rows(prediction_rows("assoc_recall")) == "rows fade600, hard_switch1050, posthoc, linear0.5->0"
     assert _mapped_rows(prediction_rows("linear_icl")) == "no prediction rows (the claims read the difficulty rows)"
@@ -624,7 +624,7 @@ def test_candidates_whose_trajectory_runs_cannot_differ_are_one_effect():
     candidates differing only there train the same trajectory runs (one effect, not several)."""
     from types import SimpleNamespace
 
-    from softprior.calibration.doc import trajectory_key
+    from softprior.reports.calibration_doc import trajectory_key
     base = {"prior_init": "locality", "prior_scale": 2.0, "content_rank": 0, "gate_logit_init": 0.0,
             "gate_granularity": "shared", "prior_cap": 8.0}
 

@@ -284,7 +284,7 @@ def test_traces_measured_by_two_worker_processes_equal_the_serial_ones():
 def test_continuation_trace_experiment_end_to_end(tmp_path):
     from softprior.executors.sweep import execute
     from softprior.experiments import Options, get_experiment
-    from softprior.report import write_report
+    from softprior.reports.experiment import write_report
     from softprior.store import RunStore
 
     exp = get_experiment("continuation_trace")

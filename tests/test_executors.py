@@ -15,7 +15,7 @@ import torch
 
 from softprior.executors.sweep import execute
 from softprior.experiments import Options, get_experiment
-from softprior.report import aggregate, collect
+from softprior.reports.experiment import aggregate, collect
 from softprior.store import RunStore
 
 from conftest import record_progress, tiny_config

@@ -8,7 +8,7 @@ from softprior.cli import main
 from softprior.executors.sweep import execute
 from softprior.experiments import (QUICK_STEPS, Cell, Experiment, Options, UnknownExperimentError, get_experiment,
                                    list_experiments, load_plugin, register_experiment)
-from softprior.report import aggregate, collect, markdown_table, write_report
+from softprior.reports.experiment import aggregate, collect, markdown_table, write_report
 from softprior.store import RunStore
 
 from conftest import tiny_config
@@ -153,7 +153,7 @@ def test_cli_experiments_and_unknown_names(capsys):
 
 
 def test_splice_into_doc_replaces_only_its_block(tmp_path):
-    from softprior.report import splice_into_doc
+    from softprior.reports.experiment import splice_into_doc
     doc = tmp_path / "R.md"
     doc.write_text("# Results\n\nintro\n")
     splice_into_doc(doc, "paths", "| a |\n")
@@ -172,7 +172,7 @@ def test_a_masked_gate_path_is_read_at_g_half_beside_its_normal_where_they_diffe
 
     from softprior.cells import HALF, NORMAL, ZERO, Cell, readings
     from softprior.config import make_run_config
-    from softprior.report import reading_note
+    from softprior.reports.experiment import reading_note
     at = make_run_config("assoc_recall", "fade600", 0, model_options={"gate_logit_init": -1.0})
     assert readings(at, (ZERO, NORMAL)) == (ZERO, NORMAL, HALF) and HALF.gates == (0.5, 0.5)
     learned = make_run_config("assoc_recall", "unforced", 0, model_options={"gate_logit_init": -1.0})

@@ -209,7 +209,7 @@ def _recorded_into_a_bundle_and_regenerated_from_it(tmp_path):
 
     from softprior.bundle import BundleSource, BundleWriter
     from softprior.calibration import load_space
-    from softprior.calibration.doc import write_calibration
+    from softprior.reports.calibration_doc import write_calibration
     from softprior.paper import search_sections
     w = BundleWriter(tmp_path / "results" / "bundle")  # a paper's bundle, of no experiment
     w.finish({"records": {}, "options": {"seeds": None, "quick": True, "tasks": None}, "experiments": [],
@@ -339,7 +339,7 @@ def test_an_effect_search_measures_the_trajectory_effect_in_its_own_store_and_sh
     their means give, and its section for RESULTS.md."""
     from softprior.calibration import load_space
     from softprior.calibration.criteria import trajectory_effect
-    from softprior.calibration.doc import effect_section
+    from softprior.reports.calibration_doc import effect_section
     from softprior.calibration.search import load_candidates
     from softprior.store import RunStore
     (tmp_path / "space.toml").write_text(_EFFECT)

@@ -98,14 +98,27 @@ def test_the_import_graph_has_no_cycle(tmp_path):
 
 
 def test_no_lower_layer_imports_calibration():
-    """Calibration is a top layer (the search, its reports, pre-registration): only the command line's
-    ``calibrate`` (``cli/calibrate.py``), the paper's driver and the study's (``softprior study``: the driver and its report) import it. The records every layer reads live below ``config``
+    """Calibration is a top layer (the search, identification, the robustness map): only the command line's
+    ``calibrate`` (``cli/calibrate.py``), the paper's driver, the study's (``softprior study``) and the
+    calibration's reports (``reports/calibration.py``, ``reports/calibration_doc.py``: its table, figure,
+    registered record and CALIBRATION.md's blocks) import it. The records every layer reads live below ``config``
     (``softprior.preregistration``), the store's records and clock in ``softprior.store.record_clock``."""
     graph = import_graph()
     users = {m for m, deps in graph.items() if not m.startswith("softprior.calibration")
              and any(d == "softprior.calibration" or d.startswith("softprior.calibration.") for d in deps)}
-    assert users <= {"softprior.cli.calibrate", "softprior.paper", "softprior.study", "softprior.study_report"}, sorted(users)
+    assert users <= {"softprior.cli.calibrate", "softprior.paper", "softprior.study", "softprior.reports.calibration",
+                     "softprior.reports.calibration_doc"}, sorted(users)
     assert not {d for d in graph["softprior.preregistration"] if d != "softprior"}, graph["softprior.preregistration"]
+
+
+def test_only_the_drivers_import_the_reports():
+    """The report writers (``reports/``) lie above ``calibration/``: only the command line and the paper's
+    and the study's drivers import them (docs/DESIGN.md, "The packages")."""
+    graph = import_graph()
+    users = {m for m, deps in graph.items() if not m.startswith("softprior.reports")
+             and any(d == "softprior.reports" or d.startswith("softprior.reports.") for d in deps)}
+    assert users and all(m.startswith("softprior.cli.") or m in ("softprior.paper", "softprior.study")
+                         for m in users), sorted(users)
 
 
 def test_only_the_store_touches_its_private_functions():

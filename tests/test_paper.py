@@ -174,7 +174,7 @@ def test_every_claim_reads_a_paper_experiment():
 def test_verdict_table_follows_the_store(tmp_path):
     """Regenerated from a small store, the verdict changes when a run's numbers change."""
     from softprior.executors.sweep import execute
-    from softprior.report import write_report
+    from softprior.reports.experiment import write_report
     from softprior.store import RunStore
     store = RunStore(tmp_path / "s")
     exp = get_experiment("removability")

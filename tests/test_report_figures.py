@@ -10,7 +10,7 @@ import pytest
 import softprior.experiments as experiments
 from softprior.executors.sweep import execute
 from softprior.experiments import Cell, Experiment
-from softprior.report import aggregate, copy_floor, describe, markdown_table, plot_bars, write_report
+from softprior.reports.experiment import aggregate, copy_floor, describe, markdown_table, plot_bars, write_report
 from softprior.store import RunStore
 
 from conftest import tiny_config

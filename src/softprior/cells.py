@@ -1,6 +1,6 @@
 """Table cells: one run config plus where its numbers go in a table (``row``, ``col``) and which
 evaluations to read from it (``Eval``). The experiments (``softprior.experiments``) build them and the
-reports (``softprior.report``, ``softprior.analysis.reports``) read them; a module of its own, below
+reports (``softprior.reports.experiment``, ``softprior.analysis.reports``) read them; a module of its own, below
 both, so that neither has to import the other for the type.
 
 "normal" and "zero" at the training length come from the stored run summary; other evaluations are

@@ -29,7 +29,7 @@ OURS = ["late_fade", "mechanism_trace_late", "mechanism_trace_large", "continuat
 
 def _table(records) -> dict[tuple, object]:
     """(row, column) -> mean, and (row, column, KEY) for KEY in "std", "n", "ceiling" and "values", from
-    the records of a ``report.aggregate`` table (as read back from ``table.csv`` or straight from it)."""
+    the records of a ``reports.experiment.aggregate`` table (as read back from ``table.csv`` or straight from it)."""
     import math
     t = {}
     for rec in records:
@@ -270,7 +270,7 @@ def identification_table(tables, params: dict[str, float] | None = None, reading
 
 def search_sections(results_dir: str | Path, spaces) -> list[str]:
     """The sections the searches ``spaces`` wrote for RESULTS.md beside their outputs
-    (``calibration.doc.write_sections``): each identification search's ``identified.md``, then each
+    (``reports.calibration_doc.write_sections``): each identification search's ``identified.md``, then each
     effect search's ``effect.md``. Only those written with this report, so RESULTS.md never shows a
     section its bundle could not give back."""
     root = Path(results_dir) / "calibration"
@@ -392,7 +392,7 @@ or a stated tolerance). The parameter counts are the shipped default configurati
 
 def formation_summary(results_dir: str | Path, names=None) -> str:
     """When the unforced circuit forms (normal accuracy first above .5), per seed, from each experiment's
-    ``formation.csv`` (``report.formation_table``). A diagnostic beside the verdicts, never a target:
+    ``formation.csv`` (``reports.experiment.formation_table``). A diagnostic beside the verdicts, never a target:
     the paper puts consolidation after the gate reaches zero."""
     import pandas as pd
     lines = ["### When the unforced circuit forms", "",
@@ -479,7 +479,7 @@ def build_cells(exp, opts):
     up to ``opts.extend_seeds`` (the same configurations at further seeds, after the paper's cells)."""
     import dataclasses
 
-    from .report import column_label
+    from .reports.experiment import column_label
     cells = exp.cells(opts)
     wanted = {(row, col) for e, row, col in opts.extend if e == exp.name}
     if not wanted:
@@ -492,8 +492,8 @@ def build_cells(exp, opts):
 
 def claim_tables(source, exps) -> dict[str, dict[tuple, object]]:
     """The tables the claims read (as ``load_tables`` gives them), computed from the source's runs
-    without writing a report: the experiments whose cells are training rows (``report.aggregate``)."""
-    from .report import aggregate, collect
+    without writing a report: the experiments whose cells are training rows (``reports.experiment.aggregate``)."""
+    from .reports.experiment import aggregate, collect
     read = {c.experiment for cl in CLAIMS for c in (*cl.conditions, *cl.valid_if)}
     out = {}
     for exp, cells in exps:
@@ -531,7 +531,7 @@ def more_seeds(tables) -> tuple[tuple[str, str, str], ...]:
 
 def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=(), on_report=None, bundle=None,
                   exploratory: bool = False) -> None:
-    """Every experiment's report (``report.write_report``) under ``out/NAME``. With ``workers`` > 1 in
+    """Every experiment's report (``reports.experiment.write_report``) under ``out/NAME``. With ``workers`` > 1 in
     a process pool (spawn), the costliest first (the mechanism and continuation analyses of snapshot
     runs: half an hour of a whole-paper report on one core), each worker with its share of the cores.
     A report is a function of the store alone, so the files are the same either way. ``opts`` (the
@@ -544,7 +544,7 @@ def write_reports(store, exps, out, *, opts, workers: int = 1, plugins=(), on_re
     NAME. ``exploratory``: tables may hold runs trained from a dirty tree, marked so (``write_report``)."""
     import time
 
-    from .report import write_report
+    from .reports.experiment import write_report
     out = Path(out)
     if workers <= 1 or len(exps) <= 1:
         for exp, cells in exps:
@@ -606,7 +606,7 @@ def _report_one(spec: tuple[str, str], name: str, opts, plugins: tuple, out_dir:
     import torch
 
     from .experiments import get_experiment, load_plugin
-    from .report import write_report
+    from .reports.experiment import write_report
     torch.set_num_threads(threads)
     for f in plugins:
         load_plugin(f)
@@ -625,11 +625,11 @@ CALIBRATION_SPACES = ("assoc_recall", "assoc_recall_ceiling", "markov", "markov_
 def write_calibration_docs(source, doc, out, spaces=CALIBRATION_SPACES, *, steps=None, bundle=None) -> list[str]:
     """The generated blocks of ``doc`` (docs/CALIBRATION.md) for each search space of ``spaces`` (shipped
     names or files) that was searched, and its outputs under ``out/calibration/SPACE``
-    (``calibration.doc.write_calibration``), from a store or a results bundle; with ``bundle`` (a bundle
+    (``reports.calibration_doc.write_calibration``), from a store or a results bundle; with ``bundle`` (a bundle
     being written) each space is recorded as part ``calibration-SPACE``. Returns the spaces written."""
     from .bundle import Recorder
     from .calibration import load_space
-    from .calibration.doc import write_calibration
+    from .reports.calibration_doc import write_calibration
     done = []
     for name in spaces:
         space = load_space(name)

@@ -379,7 +379,7 @@ def registered_time(rec: dict) -> float | None:
 
 
 # Write-once: a shipped record (hash scheme 2) is committed within this many minutes of its
-# ``registered_at`` (registration prints the command: ``calibration.doc.ship_record``), and its content
+# ``registered_at`` (registration prints the command: ``reports.calibration_doc.ship_record``), and its content
 # never changes after: a rewritten record, re-hashed with its old time kept, is first committed with its
 # new content long after that time, and is refused at train, report and ``store verify``. v1 records
 # (the first release's, whose time is outside their hash) are judged by the other rules alone.

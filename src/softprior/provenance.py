@@ -2,7 +2,7 @@
 (docs/DESIGN.md, "Calibration").
 
 Recorded in every run summary by the process that trains it (so a Ray worker records its own
-machine), and read back by ``load_results`` and ``report``, which warns when one table mixes code
+machine), and read back by ``load_results`` and ``reports.experiment``, which warns when one table mixes code
 versions. The calibration record a run was trained under is added by the sweep driver."""
 
 from __future__ import annotations

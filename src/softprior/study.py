@@ -9,7 +9,7 @@ resumes where it stopped; the store keeps every finished run):
    by the difficulty rows alone (Sec. 4; docs/DESIGN.md, "Calibration"): the criteria the user states
    (``--criteria FILE``, or a plugin task's own), or the defaults (``default_criteria``: the prior-on
    path learns, the no-prior path does not);
-2. **pre-registration** (``calibration.doc.register``): the choice's calibration record, written to
+2. **pre-registration** (``reports.calibration_doc.register``): the choice's calibration record, written to
    the store before any prediction row trains, and the study's claims with their thresholds
    (``preregistration.json`` beside the report, refused if a resumed study would change them);
 3. **the paths** (Sec. 4: unforced, forced_zero, a constant gate, fade, linear anneal, two hard
@@ -18,7 +18,7 @@ resumes where it stopped; the store keeps every finished run):
 4. **the robustness map** (``calibration/robustness.py``): the same paths on every other mapped
    candidate, each claim decided on each;
 5. **the report** ``study/NAME/REPORT.md``: verdicts on intervals over seeds (``claims.verdicts``), the
-   numbers, the figures (``report.plot_curves``) and the mechanism trace of the fade
+   numbers, the figures (``reports.experiment.plot_curves``) and the mechanism trace of the fade
    (``analysis.reports.mechanism_report``).
 
 The claims are the paper's (Sec. 4, Tables 1-2; ``claims.CLAIMS``) restated relative to the task's
@@ -288,7 +288,7 @@ def _execute(plan: StudyPlan, store, cfgs, log, registered: bool = True) -> None
 
 def run_study(plan: StudyPlan, store, log=print) -> Path:
     """Every stage (module docstring); returns the report's path."""
-    from .calibration.doc import register, registered_record
+    from .reports.calibration_doc import register, registered_record
     from .calibration.robustness import mapped
     from .calibration.search import complete_nearest, run_search
     from .config import validation_message
@@ -322,7 +322,7 @@ def run_study(plan: StudyPlan, store, log=print) -> Path:
     log(f"study {plan.name}: 4/5 robustness map ({len(others)} other candidate(s))")
     _execute(plan, store, [cfg for rows in map_rows.values() for _, _, cfg in rows], log, registered=False)
     log(f"study {plan.name}: 5/5 report")
-    from .study_report import write_report
+    from .reports.study import write_report
     return write_report(plan, store, space, cands, rec, chosen, claims, levels, main_rows,
                         {c.cid: (c, map_rows[c.cid]) for c in others}, verdicts_of=lambda rows: verdicts(
                             _tables(store, rows), claims))

@@ -1,7 +1,7 @@
 """Reports of the mechanism experiments (mechanism traces and the continuation trace): tables,
 verdict paragraphs and figures computed from a run store's snapshots. They sit beside the measures
 they report (``softprior.analysis``) and take the store and cells as plain objects, so the
-experiment registry can name them without an import cycle through ``softprior.report``. The store
+experiment registry can name them without an import cycle through ``softprior.reports.experiment``. The store
 may be any source (``softprior.bundle``): what needs weights (a trace, a circuit) is asked through
 ``bundle.ask``, which a results bundle answers from the files it recorded."""
 

@@ -101,7 +101,7 @@ _BAD_INPUT = (("softprior.cli.common", "CliError"), ("pydantic", "ValidationErro
               ("softprior.study", "StudyError"), ("softprior.model.priors", "UnknownPriorError"),
               ("softprior.preregistration", "CalibrationMissing"),  # and RecordRefused, a subclass
               ("softprior.preregistration", "UnknownRecordError"),
-              ("softprior.report", "DirtyRunsRefused"), ("softprior.executors.environment", "SettingError"),
+              ("softprior.reports.experiment", "DirtyRunsRefused"), ("softprior.executors.environment", "SettingError"),
               ("softprior.interop", "ExportError"), ("softprior.interop", "MissingExtraError"))
 
 

@@ -14,7 +14,7 @@ from .outputs import _check_outputs
 def _register(args, space, store, cands) -> list:
     """``calibrate --register``: measure the best candidates on every seed (an identification search: until
     its set holds the hard constraints; else the nearest passing ones), then pre-register the choice."""
-    from ..calibration.doc import register
+    from ..reports.calibration_doc import register
     from ..calibration.search import complete_nearest
     run_kw = dict(executor=args.executor, workers=args.workers, group_size=args.group,
                   progress=not args.no_progress, address=args.address)
@@ -32,7 +32,7 @@ def _register(args, space, store, cands) -> list:
 
 def cmd_calibrate(args) -> int:
     from ..calibration import load_space
-    from ..calibration.report import choose, write_outputs
+    from ..reports.calibration import choose, write_outputs
     from ..calibration.search import load_candidates, run_search
 
     if args.identify and args.space:
@@ -74,7 +74,7 @@ def cmd_calibrate(args) -> int:
         print(rep.line(), file=sys.stderr)
     if bundle is not None:  # the same outputs and blocks, written through the bundle (bundle.add_part)
         from ..bundle import add_part
-        from ..calibration.doc import write_calibration
+        from ..reports.calibration_doc import write_calibration
         from ..store.record_clock import first_rows
         if not cands:
             raise CliError(f"search space {space.name!r} was never searched in store {args.store!r}: nothing to record")
@@ -85,11 +85,11 @@ def cmd_calibrate(args) -> int:
         print(f"recorded search {space.name} into the bundle {args.bundle}: `softprior report paper --from-bundle "
               f"{args.bundle}` writes RESULTS.md with it", file=sys.stderr)
     else:
-        from ..calibration.doc import write_sections
+        from ..reports.calibration_doc import write_sections
         fade = fade_points(space, store, cands, steps=args.steps) or None
         files = write_outputs(space, cands, out, fade)
         if args.doc:
-            from ..calibration.doc import update_doc
+            from ..reports.calibration_doc import update_doc
             blocks = update_doc(args.doc, space, store, cands, steps=args.steps, figure=files.get("figure"))
             write_sections(space, store, cands, out, blocks, steps=args.steps)
     print((out / "candidates.md").read_text())

@@ -113,7 +113,7 @@ def _check_executor(args) -> None:
 
 def _refuse_dirty_training(cfgs, store, exploratory: bool) -> None:
     """Before a sweep (an experiment's or the paper's): runs trained now from a checkout with uncommitted
-    changes would be ``+dirty`` and refused by every table (``report.check_clean``), so say so before
+    changes would be ``+dirty`` and refused by every table (``reports.experiment.check_clean``), so say so before
     training them rather than after."""
     if exploratory:
         return

@@ -81,7 +81,7 @@ def _check_paper_args(args) -> None:
 def _splice_verdicts(readme, out) -> None:
     """The README's answer: the verdicts in plain words, then the same claims on every record whose tables ran."""
     from ..paper import cross_regime_summary, load_tables, verdict_summary
-    from ..report import splice_into_doc
+    from ..reports.experiment import splice_into_doc
     cross = cross_regime_summary(out)
     splice_into_doc(readme, "verdicts", verdict_summary(load_tables(out)) + ("\n\n" + cross if cross else ""))
 
@@ -96,7 +96,7 @@ def _paper(args, train: bool) -> int:
     from ..experiments import Options, load_plugin
     from ..paper import (CALIBRATION_SPACES, ON_RECORD, OURS, PAPER, paper_cells, write_calibration_docs,
                         write_reports, write_results_doc)
-    from ..report import check_clean
+    from ..reports.experiment import check_clean
     for f in args.plugin or []:
         load_plugin(f)
     _check_paper_args(args)

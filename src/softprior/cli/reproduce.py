@@ -27,7 +27,7 @@ def _experiment(args):
 
 
 def _write_report(args, exp, cells, store) -> None:
-    from ..report import splice_into_doc, write_report
+    from ..reports.experiment import splice_into_doc, write_report
     out = Path(args.out or f"results/{exp.name}")
     started, t0, before = time.time(), time.perf_counter(), _stamps(out)
     md = write_report(store, exp, cells, out, exploratory=args.exploratory)

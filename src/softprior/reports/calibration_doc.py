@@ -8,11 +8,11 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from ..calibration.register import make_record
+from ..calibration.robustness import claim_counts, mapped, prediction_rows
+from ..calibration.search import candidate_configs
 from ..preregistration import CalibrationMissing, calibration_key
-from .register import make_record
-from .report import candidates_table, choose, criteria_text, formation_by_axis
-from .robustness import claim_counts, mapped, prediction_rows
-from .search import candidate_configs
+from .calibration import candidates_table, choose, criteria_text, formation_by_axis
 
 __all__ = ["register", "update_doc", "write_calibration"]
 
@@ -40,7 +40,7 @@ def ship_record(rec: dict, name: str) -> Path:
 
 
 def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
-    """Write the choice (``report.choose``; if no candidate passes, the nearest, marked as failing)
+    """Write the choice (``reports.calibration.choose``; if no candidate passes, the nearest, marked as failing)
     to the store, and refuse if a prediction row of it was trained before (``CalibrationMissing``, which
     the command line reports in one line, as it does when no candidate was measured). An identification
     search registers its identified set instead (``register_identified``)."""
@@ -67,7 +67,7 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
     measured["per_seed"] = c.values
     measured["distance"] = c.distance
     measured["formation"] = c.formation
-    from .search import ceiling
+    from ..calibration.search import ceiling
     measured["bayes_ceiling"] = ceiling(space, c.task_options, c.model_options)[0]
     # the options the search built the candidate from: the default it inherited (the package's
     # registered one, as ``candidate_configs`` merges it) plus its own, so that the new default trains
@@ -82,7 +82,7 @@ def register(space, store, cands, *, steps=None, ship=False, doc=None) -> dict:
     if ship:
         ship_record(rec, f"{space.task}.json")
     if doc:
-        from ..report import splice_into_doc
+        from .experiment import splice_into_doc
         splice_into_doc(doc, f"calibration-record-{space.task}", _record_md(rec))
     return rec
 
@@ -93,7 +93,7 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
     lists each member's options and identification rows. Its task and model options are the best
     member's. Refuses if a prediction row of any member was trained before it."""
     from ..preregistration import default_options
-    from .identify import identified_at, length_reading, member_entry, with_completed
+    from ..calibration.identify import identified_at, length_reading, member_entry, with_completed
     members = identified_at(space, with_completed(space, store, cands))
     if not members:
         raise CalibrationMissing(f"search {space.name!r} has no candidate measured on five seeds (none measured "
@@ -124,7 +124,7 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
     if ship:
         ship_record(rec, f"identified-{space.task}.json" if space.name == f"{space.task}_identify" else f"{space.name}.json")
     if doc:
-        from ..report import splice_into_doc
+        from .experiment import splice_into_doc
         splice_into_doc(doc, *record_block(space, rec))
     return rec
 
@@ -167,7 +167,7 @@ def _mapped_rows(rows) -> str:
 def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> dict[str, str]:
     """Splice a search's generated blocks into ``doc``; returns the robustness and sensitivity blocks
     (by kind), which RESULTS.md's section of the search shows too (``write_sections``)."""
-    from ..report import splice_into_doc
+    from .experiment import splice_into_doc
     n = {s: sum(c.status == s for c in cands) for s in ("passes", "fails", "pruned", "infeasible", "interrupted")}
     head = [f"Search space `{space.name}` (digest `{space.digest}`, sampler {space.sampler}, "
             f"{space.first_seeds} then {space.seeds} seeds): {len(cands)} candidates measured: "
@@ -178,22 +178,22 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> dict[str
         space, cands, _fades(space, store, cands, steps))
         + (f"\n\nWhen the unforced circuit forms, by axis value (all measured seeds):\n\n{form}" if form else ""))
     if space.identify:
-        from .identify import identification_block
+        from ..calibration.identify import identification_block
         splice_into_doc(doc, f"identification-{space.name}", identification_block(space, cands))
     if space.effect:  # exploratory: no verdict of any claim is read from its runs (effect_section shows them)
         return {}
     if space.identify:
-        from .identify import identified_at
+        from ..calibration.identify import identified_at
         if not identified_at(space, cands):  # a set never registered has no trajectory rows to map
             return {}
     blocks = {"robustness": robustness_block(space, store, cands, steps=steps)}
     splice_into_doc(doc, f"robustness-{space.name}", blocks["robustness"] + _figure_link(doc, figure))
     if space.identify:
-        from .robustness import sensitivity_block
+        from ..calibration.robustness import sensitivity_block
         blocks["sensitivity"] = sensitivity_block(space, store, cands, steps=steps)
         splice_into_doc(doc, f"sensitivity-{space.name}", blocks["sensitivity"])
         if space.task == "assoc_recall":
-            from .identify import length_block
+            from ..calibration.identify import length_block
             splice_into_doc(doc, f"length-{space.name}", length_block(space, store, cands, steps=steps))
     return blocks
 
@@ -234,7 +234,7 @@ def write_sections(space, source, cands, out, blocks: dict, *, steps=None) -> Pa
     sensitivity ``blocks`` that ``update_doc`` spliced), an effect search's ``effect.md``
     (``effect_section``). None for other searches, or before there is anything to show."""
     if space.identify:
-        from .identify import results_section
+        from ..calibration.identify import results_section
         text, name = results_section(space, source, cands, blocks.get("robustness", ""),
                                      blocks.get("sensitivity", ""), steps=steps), "identified.md"
     elif space.effect:
@@ -269,7 +269,7 @@ def effect_section(space, cands, top: int = 8) -> str:
     zero, means over their seeds) and the identification rows those runs also measure, beside the
     paper's values. Exploratory: none of these runs enters a verdict table."""
     from ..tiers import rows_for
-    from .criteria import EFFECT_PATHS, trajectory_effect
+    from ..calibration.criteria import EFFECT_PATHS, trajectory_effect
     keys = [f"{p}|zero" for p in EFFECT_PATHS]
     done = [c for c in cands if all(k in c.means for k in keys)]
     if not done:
@@ -311,7 +311,7 @@ def effect_section(space, cands, top: int = 8) -> str:
 
 
 def _fades(space, store, cands, steps):
-    from .robustness import fade_points
+    from ..calibration.robustness import fade_points
     f = fade_points(space, store, cands, steps=steps)
     return f or None
 
@@ -327,9 +327,9 @@ def write_calibration(doc, source, space, out, *, steps=None) -> bool:
 
     from ..bundle import ask
     from ..preregistration import verify_record
-    from .report import write_outputs
-    from .robustness import fade_points
-    from .search import Candidate, load_candidates
+    from .calibration import write_outputs
+    from ..calibration.robustness import fade_points
+    from ..calibration.search import Candidate, load_candidates
     cands = ask(source, "calibration_candidates", {"space": space.name, "digest": space.digest},
                 lambda: load_candidates(space, source), encode=lambda cs: [asdict(c) for c in cs],
                 decode=lambda ds: [Candidate(**d) for d in ds])
@@ -341,7 +341,7 @@ def write_calibration(doc, source, space, out, *, steps=None) -> bool:
     fade = fade_points(space, source, cands, steps=steps) or None
     files = write_outputs(space, cands, Path(out), fade)
     if rec is not None:
-        from ..report import splice_into_doc
+        from .experiment import splice_into_doc
         splice_into_doc(doc, *record_block(space, rec))
     blocks = update_doc(doc, space, source, cands, steps=steps, figure=files.get("figure"))
     write_sections(space, source, cands, out, blocks, steps=steps)

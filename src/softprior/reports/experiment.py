@@ -24,10 +24,10 @@ import math
 from pathlib import Path
 
 
-from .bundle import BundleError, ask
-from .cells import HALF, evaluate_cell, formation_step
-from .experiments import Cell, Experiment
-from .store import RunStore, StoreError
+from ..bundle import BundleError, ask
+from ..cells import HALF, evaluate_cell, formation_step
+from ..experiments import Cell, Experiment
+from ..store import RunStore, StoreError
 
 __all__ = ["collect", "aggregate", "write_report", "splice_into_doc", "dirty_runs", "check_clean",
            "DirtyRunsRefused"]
@@ -84,7 +84,7 @@ def task_ceiling(task_cfg) -> float:
     ceiling once per configuration; nan for linear ICL, whose metric is an MSE)."""
     import math
 
-    from .tasks.generators import make_task
+    from ..tasks.generators import make_task
     task = make_task(task_cfg)
     return float(task.bayes_accuracy()[0]) if hasattr(task, "bayes_accuracy") else math.nan
 
@@ -175,7 +175,7 @@ def _per_seed(long) -> dict[tuple[str, str], list[float]]:
 def chance_levels(store: RunStore, cells: list[Cell]) -> dict[tuple[str, str], float]:
     """(row, column label) -> the task's chance level for that evaluation (its length's, for an
     evaluation at another length): what the figures draw as the chance line."""
-    from .tasks.generators import make_task
+    from ..tasks.generators import make_task
     out, tasks = {}, {}
     for cell in cells:
         if not store.is_done(cell.cfg.run_id):
@@ -212,8 +212,8 @@ def _copy_floor(task_json: str, length: int, n: int, seed: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from .tasks.registry import task_config
-    from .tasks.generators import make_task
+    from ..tasks.registry import task_config
+    from ..tasks.generators import make_task
     opts = json.loads(task_json)
     task = make_task(task_config(opts.pop("name"), **opts))
     if getattr(task, "input_kind", None) != "tokens" or task.metric != "acc":
@@ -268,7 +268,7 @@ def paper_values(paper: dict | None) -> dict[tuple[str, str], float]:
 def smoke_note(cells: list[Cell]) -> str | None:
     """'smoke run (--quick: 180 steps, 1 seed)' when every run of ``cells`` is on the --quick budget
     (``experiments.QUICK_STEPS``): its numbers check that everything runs, they are not results."""
-    from .experiments import QUICK_STEPS
+    from ..experiments import QUICK_STEPS
     if not cells or any(c.cfg.steps != QUICK_STEPS for c in cells):
         return None
     seeds = len({c.cfg.seed for c in cells})
@@ -486,7 +486,7 @@ def plot_curves(store: RunStore, cells: list[Cell], title: str, out: Path, smoke
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from .schedules import Fade, HardSwitch
+    from ..schedules import Fade, HardSwitch
     groups: dict[str, list[Cell]] = {}
     for c in cells:
         if store.is_done(c.cfg.run_id):
@@ -564,9 +564,9 @@ def provenance_note(store: RunStore, cells: list[Cell]) -> str:
     import collections
     import sys
 
-    from .preregistration import DIFFICULTY_PATHS
-    from .provenance import code_version
-    from .store.record_clock import verify_named
+    from ..preregistration import DIFFICULTY_PATHS
+    from ..provenance import code_version
+    from ..store.record_clock import verify_named
     ids = list(dict.fromkeys(c.cfg.run_id for c in cells))
     done = [store.summary(r) for r in ids if store.is_done(r)]
     if not done:
@@ -611,7 +611,7 @@ def formation_table(store: RunStore, cells: list[Cell]):
 def dirty_runs(store: RunStore, cells: list[Cell]) -> list[tuple[Cell, str]]:
     """(cell, code version) of every finished run of ``cells`` trained from a dirty tree: its summary's
     code version (``provenance.code_version``) ends in ``+dirty`` (uncommitted changes to tracked files)."""
-    from .provenance import code_version
+    from ..provenance import code_version
     out, seen = [], set()
     for c in cells:
         if c.cfg.run_id in seen or not store.is_done(c.cfg.run_id):

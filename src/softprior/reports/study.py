@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from .claims import NOT_APPLICABLE
+from ..claims import NOT_APPLICABLE
 
 __all__ = ["write_report"]
 
@@ -27,7 +27,7 @@ def _ms(v: list[float]) -> str:
 
 
 def _numbers(plan, store, rows) -> str:
-    from .paths import schedule_text
+    from ..paths import schedule_text
     lines = ["| path | its gate trajectory (at the study's budget) | normal | zero gate | seeds |", "|---|---|---|---|---|"]
     for label, _ in plan.paths:
         runs = [cfg for lab, _, cfg in rows if lab == label and store.is_done(cfg.run_id)]
@@ -58,13 +58,13 @@ def _map_table(claims, chosen, main, others: dict) -> str:
 
 
 def _figures(plan, store, rows, levels) -> list[str]:
-    """curves.png (``report.plot_curves``) and zero_gate.png (each path's zero-gate metric, per seed)."""
+    """curves.png (``reports.experiment.plot_curves``) and zero_gate.png (each path's zero-gate metric, per seed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .cells import Cell
-    from .report import plot_curves
+    from ..cells import Cell
+    from .experiment import plot_curves
     out = []
     cells = [Cell(cfg, row=label) for label, _, cfg in rows]
     if plot_curves(store, cells, f"study {plan.name}: normal and zero-gate metric over training", plan.dir / "curves.png"):
@@ -100,7 +100,7 @@ def _mechanism(plan, store, rows) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .analysis.mechanism import summarise_trace, trace, trace_matrix
+    from ..analysis.mechanism import summarise_trace, trace, trace_matrix
     done = [cfg for label, _, cfg in rows if label == "fade600" and cfg.snapshot_every and store.is_done(cfg.run_id)]
     if not done:
         return "No fade run with snapshots is stored yet."
@@ -140,8 +140,8 @@ _SNAPSHOTS = 6
 
 def write_report(plan, store, space, cands, rec, chosen, claims, levels, main_rows, others, verdicts_of) -> Path:
     """Write ``plan.dir/REPORT.md`` (and its figures); returns its path."""
-    from .calibration.report import candidates_table
-    from .plugins import ENV
+    from .calibration import candidates_table
+    from ..plugins import ENV
     metric, chance, ceiling = levels
     main = verdicts_of(main_rows)
     mapped = [(c, verdicts_of(r)) for c, r in others.values()]

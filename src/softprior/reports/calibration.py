@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from .criteria import criteria_for
+from ..calibration.criteria import criteria_for
 
 __all__ = ["candidates_table", "write_outputs", "choose", "formation_by_axis"]
 
@@ -59,7 +59,7 @@ def candidate_reference(space, c) -> str:
 
     from ..tasks.registry import task_spec
     from ..tasks.generators import make_task
-    from .search import candidate_configs, ceiling
+    from ..calibration.search import candidate_configs, ceiling
     try:
         if _metric(space) == "mse" and hasattr(task_spec(space.task).task_class(), "reference_mse"):
             cfg = candidate_configs(space, c.task_options, c.model_options, [0])[0][2]
