@@ -148,7 +148,7 @@ def test_a_resumed_sweep_adds_only_the_new_pieces(tmp_path, monkeypatch):
 
 
 def test_pieces_on_different_days_add_and_concurrent_jobs_count_once():
-    from softprior.bench import ledger_summary
+    from softprior.reports.timings import ledger_summary
     day = 86400.0
 
     def job(start, sec, flop, version="v"):
@@ -171,7 +171,7 @@ def test_pieces_on_different_days_add_and_concurrent_jobs_count_once():
 def test_where_the_time_goes_by_hand():
     """Per kind of job: worker-seconds, share, GFLOP/s per worker and x floor. At a GEMM rate of 10
     GFLOP/s and 2 workers a worker's floor rate is 5 GFLOP/s: 100 GFLOP in 40 s is 2.5 GFLOP/s, 2.0x."""
-    from softprior.bench import format_timings, ledger_summary
+    from softprior.reports.timings import format_timings, ledger_summary
 
     def job(name, sec, gflop, workers=2):
         return {"kind": "job", "name": name, "seconds": sec, "flop": gflop * 1e9, "runs": 1, "started_at": 0.0,

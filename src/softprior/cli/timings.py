@@ -8,9 +8,9 @@ from .common import CliError, _store
 
 
 def _ledger_kind(store):
-    """A job row's kind for ``report timings``: task/size (``bench.job_kind``), and the positional scheme
+    """A job row's kind for ``report timings``: task/size (``reports.timings.job_kind``), and the positional scheme
     where there is one, read from the store's config of its first run."""
-    from ..bench import job_kind
+    from ..reports.timings import job_kind
     from ..store import StoreError
 
     def kind_of(row) -> str:
@@ -40,7 +40,7 @@ def _until(text: str | None) -> float | None:
 
 
 def cmd_report_timings(args) -> int:
-    """``report timings``: the store's time ledger (``bench.ledger_summary``), or the one a results bundle
+    """``report timings``: the store's time ledger (``reports.timings.ledger_summary``), or the one a results bundle
     carries (--from-bundle): the paper's wall time, its FLOP, the floor at the GEMM rate and the ratio,
     and the costliest jobs; by default only the rows of the code version this checkout is
     (``provenance.code_version``), another with --code-version, all with --all-versions; rows started
@@ -52,7 +52,7 @@ def cmd_report_timings(args) -> int:
     if args.all_versions and args.code_version:
         raise CliError("--all-versions and --code-version contradict each other: give one")
     until = _until(args.until)
-    from ..bench import format_timings, job_kind, ledger_summary
+    from ..reports.timings import format_timings, job_kind, ledger_summary
     from ..provenance import code_version, provenance
     if args.from_bundle:
         from ..bundle import read_ledger

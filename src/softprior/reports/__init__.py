@@ -6,7 +6,8 @@ each name from the module that writes it (this package re-exports nothing):
 - ``calibration``: a calibration search's candidates table and figure;
 - ``calibration_doc``: a search's registered record (pre-registration) and the generated blocks of
   ``docs/CALIBRATION.md``;
-- ``study``: the report of ``softprior study`` (``study/NAME/REPORT.md``).
+- ``study``: the report of ``softprior study`` (``study/NAME/REPORT.md``);
+- ``timings``: the time ledger summed up and said as text (``softprior report timings``).
 
 They lie above ``calibration/`` and below the drivers that call them (``paper.py``, ``study.py``, the
 command line). The mechanism and continuation reports that an experiment names as its analysis lie

@@ -135,7 +135,7 @@ class RunStore:
         started (unix time), the host, the code version (``provenance.code_version``), the GEMM rate the
         sweep measured (``bench.gemm_rate``, GFLOP/s), and a JSON-able ``detail`` (run ids, pieces, ...).
         Written by the sweep driver alone (workers return their timing); ``softprior report timings``
-        reads it (``bench.ledger_summary``)."""
+        reads it (``reports.timings.ledger_summary``)."""
         self.index.record_timing(kind, name, seconds, flop, runs, started_at, host, code_version, gemm_gflops, detail)
 
     def ledger(self) -> list[dict]:
