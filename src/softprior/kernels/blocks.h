@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -227,9 +227,11 @@ struct Mask {
   }
 };
 
-// out[j] = row[idx[j]] for j < tiles * VL (idx: indices into row, every one valid). Where the CPU has
-// AVX-512 and the row is at most two tiles (a vocabulary of up to 32 tokens), each tile is one
-// two-table permute (vpermt2ps) of the row held in registers; elsewhere element by element.
+// out[j] = row[idx[j]] for j < tiles * VL (idx: indices into row, every one valid; width: the row's
+// padded length). Where the row is at most two tiles (a vocabulary of up to 32 tokens) and held in
+// registers: on AVX-512 each tile is one two-table permute (vpermt2ps); on AVX2 each register of the
+// output is a permute (vpermps) of each of the row's four registers, chosen between by bits 3 and 4 of
+// the index (two blends); elsewhere element by element. A copy either way: the same bits.
 template <typename scalar_t>
 inline void gather_tiles(const scalar_t* row, int64_t width, const int32_t* idx, int64_t tiles, scalar_t* out) {
 #if defined(__AVX512F__)
@@ -239,6 +241,21 @@ inline void gather_tiles(const scalar_t* row, int64_t width, const int32_t* idx,
       const __m512 lo = _mm512_loadu_ps(row), hi = width > VL ? _mm512_loadu_ps(row + VL) : lo;
       for (int64_t t = 0; t < tiles; ++t)
         _mm512_storeu_ps(out + t * VL, _mm512_permutex2var_ps(lo, _mm512_loadu_si512(idx + t * VL), hi));
+      return;
+    }
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (width <= 2 * VL) {
+      __m256 r[4];
+      for (int64_t k = 0; k < 4; ++k) r[k] = 8 * k < width ? _mm256_loadu_ps(row + 8 * k) : r[0];
+      for (int64_t j = 0; j < tiles * VL; j += 8) {
+        const __m256i i = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + j));
+        const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)), b4 = _mm256_castsi256_ps(_mm256_slli_epi32(i, 27));
+        const __m256 lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(r[0], i), _mm256_permutevar8x32_ps(r[1], i), b3);
+        const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(r[2], i), _mm256_permutevar8x32_ps(r[3], i), b3);
+        _mm256_storeu_ps(out + j, _mm256_blendv_ps(lo, hi, b4));
+      }
       return;
     }
   }
