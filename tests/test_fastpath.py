@@ -70,16 +70,17 @@ def _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), name
 
 
-def _assert_learned_gates_match(cfgs, models):
+def _assert_learned_gates_match(cfgs, models, missing_is_zero=False):
     """With learned gates (the gate values carry gradient back to the gate logits in both computations),
-    the fast forward's logits and gradients are the readable models'."""
+    the fast forward's logits and gradients are the readable models'; returns the stacked parameters."""
     inputs, pos, params = _batch_and_params(cfgs, models)
     g_all = torch.sigmoid(params["gate_logits"])
     K, L, H = len(cfgs), cfgs[0].model.n_layers, cfgs[0].model.n_heads
     gp, gc = g_all[:, 0].expand(K, L, H), g_all[:, 1].expand(K, L, H)
     fast = fast_forward(params, cfgs[0].model, inputs, gp, gc, pos)
     ref = torch.stack([m(inputs, positions=pos) for m in models])
-    _assert_same_logits_and_gradients(fast, ref, params, models)
+    _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero)
+    return params
 
 
 @pytest.mark.parametrize("task,granularity,n_layers", CASES)
@@ -231,4 +232,54 @@ def test_contextual_schemes_with_the_content_prior_on_match_the_readable_model(b
     fast = fast_forward(params, cfgs[0].model, inputs, gp, gc, pos)
     ref = torch.stack([m(inputs, 0.7, 0.4, positions=pos) for m in models])
     _assert_same_logits_and_gradients(fast, ref, params, models, missing_is_zero=True)
+
+
+FAMILIES = ["alibi", "t5", "kerple_log", "kerple_power", "fire"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("task", ["assoc_recall", "markov-determined"])
+def test_every_registered_prior_family_on_the_fast_path_matches_the_readable_model(family, task):
+    """A family's B^pos, evaluated once per layer per run and given to the attention as data under the
+    gate, gives the readable model's logits and every gradient, the family's own parameters included,
+    to 1e-5 in float64 (the re-associated last layer on assoc, the plain one on Markov-determined)."""
+    cfgs, models = _random_models(task, "head", 2, prior_family=family, prior_layers=[0, 1])
+    assert supports(cfgs[0].model)
+    params = _assert_learned_gates_match(cfgs, models, missing_is_zero=True)  # (the unused soft table: no gradient)
+    own = [n for n in params if ".prior_module." in n]
+    assert (len(own) > 0) == (family != "alibi")
+    assert all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in own)
+
+
+def test_a_plugin_family_on_the_fast_path_matches_and_one_that_replaces_b_content_does_not_run_there():
+    import torch.nn as nn
+    from softprior.model.fastpath import engine
+    from softprior.model.priors import PositionalPrior, PRIORS, register_prior
+
+    class Window(PositionalPrior):  # a learned Gaussian window over the offset, per head
+        def __init__(self, cfg, layer):
+            super().__init__(cfg, layer)
+            self.width = nn.Parameter(torch.linspace(1.0, 3.0, cfg.n_heads))
+
+        def bias(self, qpos, kpos):
+            off = (qpos[:, None] - kpos[None, :]).clamp(min=0).to(self.width.dtype)
+            return -(off[None] / self.width[:, None, None]) ** 2
+
+    class Content(Window):
+        def content_bias(self, xq, xk):
+            return None
+
+    try:
+        register_prior("test_window", Window, "a test family", overwrite=True)
+        register_prior("test_content", Content, "a test family with its own B^content", overwrite=True)
+        cfgs, models = _random_models("assoc_recall", "shared", 2, prior_family="test_window", prior_layers=[0, 1])
+        assert supports(cfgs[0].model)
+        params = _assert_learned_gates_match(cfgs, models, missing_is_zero=True)
+        assert all(params[n].grad.abs().sum() > 0 for n in params if n.endswith("prior_module.width"))
+        cfg, _ = _random_models("assoc_recall", "shared", 2, n_runs=1, prior_family="test_content")
+        kind, why = engine(cfg[0].model, True, 32, 1)
+        assert not supports(cfg[0].model) and kind == "readable" and "content_bias" in why
+    finally:
+        for name in ("test_window", "test_content"):
+            PRIORS._entries.pop(name, None)
 

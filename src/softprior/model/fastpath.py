@@ -93,11 +93,25 @@ __all__ = ["supports", "engine", "fast_forward", "stacked_params", "model_forwar
 
 def supports(cfg: ModelConfig) -> bool:
     """Whether ``fast_forward`` computes this model (else use the readable model): no positional
-    scheme, or one the fast path implements (``_scheme_kind``), and the paper's own prior family
-    (``prior_family="soft"``; a registered family runs in the readable model, ``softprior.model.priors``), with
-    its LayerNorms before the attention or none (post-LayerNorm runs in the readable model)."""
-    return (getattr(cfg, "prior_family", "soft") == "soft" and _scheme_kind(cfg.positional) != "unsupported"
-            and cfg.norm != "post")
+    scheme, or one the fast path implements (``_scheme_kind``); any prior family whose B^pos is a
+    function of the query and key positions (``softprior.model.priors``: the bias is data to the
+    attention, ``_family_bias``), but not one that replaces B^content (``content_bias``: it reads the
+    residual stream, which the fast path never forms per layer); LayerNorms before the attention or
+    none (post-LayerNorm runs in the readable model)."""
+    return (_why_family(cfg) is None and _scheme_kind(cfg.positional) != "unsupported" and cfg.norm != "post")
+
+
+def _why_family(cfg: ModelConfig) -> str | None:
+    """Why the prior family keeps this model off the fast path (None: it does not)."""
+    family = getattr(cfg, "prior_family", "soft")
+    if family == "soft":
+        return None
+    from .priors import PositionalPrior
+    for layer in range(cfg.n_layers):
+        own = getattr(type(_prior_template(cfg, layer)), "content_bias", None)
+        if own is not None and own is not PositionalPrior.content_bias:
+            return f"prior family {family!r} replaces B^content (content_bias), which the fast path does not form"
+    return None
 
 
 def engine(cfg: ModelConfig, tokens: bool, T: int, P: int, device: str = "cpu") -> tuple[str, str | None]:
@@ -107,10 +121,8 @@ def engine(cfg: ModelConfig, tokens: bool, T: int, P: int, device: str = "cpu") 
     ("readable", why) for the readable model, vmapped one run at a time. A run summary records it per
     run (``train.run_summary``, ``engine``)."""
     if not supports(cfg):
-        family = getattr(cfg, "prior_family", "soft")
-        why = (f"prior family {family!r} is not on the fast path" if family != "soft" else
-               "post-LayerNorm is not on the fast path" if cfg.norm == "post" else
-               f"positional scheme {cfg.positional!r} is not on the fast path")
+        why = (_why_family(cfg) or ("post-LayerNorm is not on the fast path" if cfg.norm == "post" else
+                                    f"positional scheme {cfg.positional!r} is not on the fast path"))
         return "readable", why
     why = kstep.why_not(cfg, tokens, T, P)
     if why is None and device != "cpu":
@@ -195,6 +207,50 @@ def _scheme_eval(params: dict, cfg: ModelConfig, layer: int, K: int, method: str
     return torch.stack([functional_call(mod, {n: p[k] for n, p in sub.items()},
                                         tuple(a[k] if b else a for a, b in zip(args, batched)), strict=True)
                         for k in range(K)])
+
+
+@lru_cache(maxsize=64)
+def _prior_template(cfg: ModelConfig, layer: int):
+    """A template of layer ``layer``'s B^pos module (``priors.build_prior``) for a family other than
+    soft: its own parameters are never read (``_family_bias`` substitutes the run's); built under a
+    forked RNG so that building it draws nothing from the caller's."""
+    from .priors import build_prior
+    with torch.random.fork_rng(devices=[]):
+        return build_prior(cfg, layer)
+
+
+def _family_bias(params: dict, cfg: ModelConfig, layer: int, K: int, qpos: torch.Tensor,
+                 kpos: torch.Tensor) -> torch.Tensor:
+    """B^pos_h(i, j) of a registered family at layer ``layer`` for each of K runs, [K, H, Tq, T] (ungated),
+    as the readable model's ``prior_module.bias(qpos, kpos)``, from the run-stacked parameters
+    ``blocks.{layer}.attn.prior_module.*``, one run at a time (not vmapped: ``_scheme_eval``). The
+    attention takes it as data, an additive input under the gate, and autograd carries its gradient
+    into the family's parameters (the idea of FlexAttention's ``score_mod``)."""
+    mod = _SchemeCall(_prior_template(cfg, layer), "bias")
+    pre = f"blocks.{layer}.attn.prior_module."
+    sub = {"scheme." + n[len(pre):]: p for n, p in params.items() if n.startswith(pre)}
+    own = {"scheme." + n for n, _ in mod.scheme.named_parameters()}
+    if set(sub) != own:
+        raise ValueError(f"prior family of layer {layer}: parameters {sorted(own)} expected, got {sorted(sub)}")
+    if not sub:  # no parameters (ALiBi, a layer without the prior): the same bias for every run
+        out = mod(qpos, kpos)
+        return out[None].expand(K, *out.shape)
+    # the template's buffers (constants) stay; every parameter comes from the run
+    return torch.stack([functional_call(mod, {n: p[k] for n, p in sub.items()}, (qpos, kpos), strict=False)
+                        for k in range(K)])
+
+
+def _prior_bias(params: dict, cfg: ModelConfig, l: int, c, gp: torch.Tensor, at_loss: bool) -> torch.Tensor:
+    """g_pos,h B^pos_h(i, j) + the causal mask for layer ``l``, [K, H, Tq, T], at every query or at the
+    loss positions (``at_loss``): the soft prior's table over offsets (``_pos_bias``) or a registered
+    family's bias (``_family_bias``)."""
+    off, mask = (c.off_q, c.mask_q) if at_loss else (c.off_all, c.mask_all)
+    table = params[f"blocks.{l}.attn.pos_bias"]
+    if getattr(cfg, "prior_family", "soft") == "soft":
+        return _pos_bias(table, gp, off, mask)
+    qpos = torch.tensor(c.pos, device=c.kpos.device) if at_loss else c.kpos
+    b = _family_bias(params, cfg, l, c.K, qpos, c.kpos).to(table.dtype)
+    return gp[:, :, None, None] * b + mask
 
 
 def _scheme_pattern(params: dict, cfg: ModelConfig, layer: int, s: torch.Tensor, q: torch.Tensor | None,
@@ -556,7 +612,7 @@ def _full_attention(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torch.Te
     add fused into the output projection (point 5). Returns [K, B*T, d]."""
     K, B, T, d, dh = c.K, c.B, c.T, cfg.d_model, cfg.d_head
     pre = f"blocks.{l}."
-    bias = _with_static(_pos_bias(params[pre + "attn.pos_bias"], gp, c.off_all, c.mask_all), c.static[l])
+    bias = _with_static(_prior_bias(params, cfg, l, c, gp, at_loss=False), c.static[l])
     if c.rot is not None:
         qe, ke = rotate_pairs(qe, *c.rot, dh), rotate_pairs(ke, *c.rot, dh)
     if _scheme_kind(cfg.positional) in _CONTEXTUAL:  # CoPE, DAPE, GPSA: the scheme's own code (point 6)
@@ -589,7 +645,7 @@ def _reassociated_layer(params: dict, cfg: ModelConfig, l: int, c: _Ctx, x: torc
     qt = torch.bmm(q, Wn[:, :, e:2 * e].reshape(K * H, e, d))  # [K*H, B*P, d] = W_K,h^T q_h
     qt = qt.view(K, H, B, P, d).permute(0, 2, 1, 3, 4).reshape(K * B, H * P, d)
     s = torch.bmm(qt, n4.reshape(K * B, T, d).transpose(1, 2)).view(K, B, H, P, T)
-    bias = _with_static(_pos_bias(params[pre + "attn.pos_bias"], gp, c.off_q, c.mask_q), c.static[l])
+    bias = _with_static(_prior_bias(params, cfg, l, c, gp, at_loss=True), c.static[l])
     if _scheme_kind(cfg.positional) in _CONTEXTUAL:  # point 6: the scheme's own code on these P queries
         qs = None
         if _scheme_kind(cfg.positional) == "logits":
