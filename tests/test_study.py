@@ -46,7 +46,11 @@ def test_the_gaussian_window_is_the_bias_the_model_adds(plugins):
     want = torch.stack([-r2 / (2.0 * (h + 1) ** 2) for h in range(4)])  # sigma_h = h + 1 at prior_scale 1
     assert torch.allclose(cache["blocks.0.attn.hook_pos_bias"], want, atol=1e-5)
     assert cache["blocks.1.attn.hook_pos_bias"].abs().max() == 0  # outside prior_layers: no B^pos
-    assert not fastpath.supports(cfg.model) and fastpath.supports(make_run_config("assoc_recall").model)
+    # the plugin family trains on the fast path, its bias given to the attention as data: the same logits
+    assert fastpath.supports(cfg.model)
+    x, pos = torch.randint(0, 32, (2, 32)), torch.tensor([31])
+    with torch.no_grad():
+        assert torch.allclose(fastpath.model_forward(model, x, positions=pos), model(x, positions=pos), atol=1e-4)
     # the width is learned: the loss reaches it
     model(torch.randint(0, 32, (2, 32)))[:, -1].logsumexp(-1).sum().backward()
     assert model.blocks[0].attn.prior_module.width_param.grad.abs().sum() > 0
