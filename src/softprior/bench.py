@@ -171,9 +171,12 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
     # --quick (a smoke run): the base model at K = 1 and 2, one thread
     engines = engine_table(ref_mod, quick=quick, log=log, **(dict(models=("base",), ks=(1, 2), thread_counts=(1,))
                                                               if quick else {}))
+    log("every prior family's base step against the soft prior's (1 thread):")
+    families = family_table(quick=quick, log=log)
     start = startup_seconds()
     log("start-up, fresh interpreter (median of 3): " + ", ".join(f"softprior {k} {v:.2f} s" for k, v in start.items()))
     return {"engines": engines, "attention_backend": engines["attention_backend"], "startup_s": start,
+            "families": families,
             "group_scaling_ms": {str(k): v for k, v in scaling.items()},
             "group_scaling_large_ms": {str(k): v for k, v in large.items()},
             "gemm_gflops": round(gemm, 2), "model_gflop_per_step": round(flops / 1e9, 4),
@@ -297,6 +300,42 @@ def engine_table(ref_mod, models=("base", "large"), ks=(1, 8), thread_counts=(1,
     return out
 
 
+def family_table(quick: bool = False, threads: int = 1, log=print) -> dict:
+    """Per registered prior family (``model.priors.PRIORS``), the base model's training step
+    (``train.Runs.step`` of one associative-recall run, unforced) at ``threads`` threads: ms per step, the
+    engine that trains it (``fastpath.engine``, with why it is not the fastest) and the ratio to the soft
+    prior's step, the soft prior and each family timed in turn so that machine noise hits both; medians
+    of ``reps`` samples."""
+    from .config import make_run_config
+    from .model.fastpath import engine
+    from .model.priors import PRIORS
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        def step_of(family):
+            cfg = make_run_config("assoc_recall", "unforced", 0,
+                                  model_options={} if family == "soft" else {"prior_family": family})
+            return cfg, _runs_step([cfg])
+        soft_cfg, soft = step_of("soft")
+        n, reps = (2, 2) if quick else (10, 5)
+        out = {}
+        for family in PRIORS:
+            cfg, step = step_of(family)
+            samples = {"soft": [], family: []}
+            for _ in range(reps + 1):  # the first round warms up
+                samples["soft"].append(_time(soft, n))
+                samples[family].append(_time(step, n))
+            soft_ms, ms = (statistics.median(samples[k][1:]) for k in ("soft", family))
+            kind, why = engine(cfg.model, True, cfg.model.n_ctx, 1)
+            out[family] = {"ms": round(ms, 3), "soft_ms": round(soft_ms, 3), "vs_soft": round(ms / soft_ms, 3),
+                           "engine": kind, "why": why}
+            log(f"  prior {family}: {ms:.2f} ms per step, {ms / soft_ms:.2f}x the soft prior's {soft_ms:.2f} "
+                f"({kind}{': ' + why if why else ''})")
+    finally:
+        torch.set_num_threads(old)
+    return out
+
+
 def startup_seconds(commands=("--help", "paths", "tasks", "experiments"), reps: int = 3) -> dict[str, float]:
     """Wall time of ``softprior COMMAND`` in a fresh interpreter (the median of ``reps``): the listings
     and --help import no torch, so they answer in a fraction of a second."""
@@ -367,6 +406,8 @@ def run_engines(quick: bool = False, log=print, twins: bool = True) -> dict:
     settings = prepare_training()
     log(f"attention kernel: {_attention_label()}")
     out = {**engine_table(_load_reference(), quick=quick, log=log), **settings, "isa": isa()}
+    log("every prior family's base step against the soft prior's (1 thread):")
+    out["families"] = family_table(quick=quick, log=log)
     for name in (twin_isas() if twins else []):
         log(f"the same table as an {name.upper()} machine (a fresh process: {AVX2_ENV})")
         cmd = [sys.executable, "-c", "import sys; from softprior.cli import main; sys.exit(main(sys.argv[1:]))",
