@@ -91,6 +91,32 @@ def test_the_whole_step_equals_the_readable_model_in_float64(case):
         torch.testing.assert_close(got[1][name], grad, rtol=1e-9, atol=1e-10 * grad.abs().max().item(), msg=name)
 
 
+@needs_build
+@pytest.mark.parametrize("family", ["alibi", "t5", "kerple_log", "kerple_power", "fire"])
+@pytest.mark.parametrize("case", ["base, vocabulary pairs", "large: middle layers"])
+def test_every_prior_family_on_the_whole_step_equals_the_readable_model_in_float64(family, case):
+    """A family's B^pos given to the operator as data ([K, H, T, T], ``fastpath._family_bias``): the
+    logits and every gradient, the family's own parameters included, are the readable model's."""
+    from softprior.model.fastpath import engine, fast_forward
+    opts, K, B, T, positions, shared, forced = CASES[case]
+    cfg = ModelConfig(**opts, prior_family=family, prior_layers=(0, 1))
+    assert engine(cfg, True, T, len(positions))[0] == "whole-step"
+    models = _models(cfg, K, torch.float64)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cfg.vocab, (B, T) if shared else (K, B, T), generator=g)
+    want = _run(_readable(models, cfg, tokens, positions), models, cfg, tokens, positions, forced)
+    got = _run(lambda p, gp, gc: fast_forward(p, cfg, tokens, gp, gc, torch.tensor(positions)), models, cfg, tokens,
+               positions, forced)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-10 * want[0].abs().max().item())
+    assert set(got[1]) == set(want[1]) and (family == "alibi") == (not any(".prior_module." in n for n in got[1]))
+    # against the largest gradient of any parameter: a constant added to every B^pos entry (FIRE's last
+    # bias) cancels in each softmax row, so its gradient is zero but for rounding on either side
+    scale = max(grad.abs().max().item() for grad in want[1].values())
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-9, atol=1e-10 * scale,
+                                   msg=lambda m, name=name, grad=grad: f"{name} (largest {grad.abs().max():.3g}): {m}")
+
+
 def test_the_operators_parameter_list_from_step_cpp_names_every_parameter_of_the_model_once():
     """``param_names`` reads step.cpp's lists: they must name each of the model's parameters exactly once,
     per layer in the order step.cpp's named indices (``layer_param``) read them."""

@@ -59,7 +59,15 @@ Tensor ln_backward(const Tensor& dy_, const Tensor& x, const Tensor& mean, const
 
 struct Dims {
   int64_t B, T, d, H, dh, r, e, W, V, P, nctx, L;
+  bool full;  // each layer's bias input is a family's whole B^pos [H, T, T], not the soft prior's table
 };
+
+// where B^pos_h(i, j) sits in a layer's bias input: the soft prior's table [H, n_ctx] over offsets, at
+// min(i - j, n_ctx - 1) (fastpath._pos_bias), or a registered family's whole bias [H, T, T], evaluated
+// by its own code (fastpath._family_bias): the bias is data here, and its gradient goes back as data
+inline int64_t bias_index(const Dims& D, int64_t h, int64_t i, int64_t j) {
+  return D.full ? (h * D.T + i) * D.T + j : h * D.nctx + std::min(i - j, D.nctx - 1);
+}
 
 // whether layer 0 runs on vocabulary pairs (vocab_forward): fewer pairs than (example, query, key) triples
 inline bool pairs(const Dims& D) { return D.V * D.V <= D.B * D.T * D.T; }
@@ -74,8 +82,8 @@ struct Rows0 {
   scalar_t* row(int64_t b, int64_t i) const { return base + (tok ? tok[b * T + i] : b * T + i) * W; }
 };
 
-// the causal mask with the prior's bias, per head: bias[h][i][j] = g_pos,h B^pos[h, min(i - j, n_ctx - 1)]
-// for j <= i, -inf after (fastpath._pos_bias)
+// the causal mask with the prior's bias, per head: bias[h][i][j] = g_pos,h B^pos_h(i, j) (bias_index) for
+// j <= i, -inf after (fastpath._prior_bias)
 template <typename scalar_t>
 std::vector<scalar_t> full_bias(const scalar_t* bpos, const scalar_t* gp, const Dims& D) {
   const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
@@ -83,13 +91,13 @@ std::vector<scalar_t> full_bias(const scalar_t* bpos, const scalar_t* gp, const 
   for (int64_t h = 0; h < D.H; ++h)
     for (int64_t i = 0; i < D.T; ++i)
       for (int64_t j = 0; j < D.T; ++j)
-        out[(h * D.T + i) * D.T + j] = j <= i ? gp[h] * bpos[h * D.nctx + std::min(i - j, D.nctx - 1)] : ninf;
+        out[(h * D.T + i) * D.T + j] = j <= i ? gp[h] * bpos[bias_index(D, h, i, j)] : ninf;
   return out;
 }
 
 // that bias's backward for head h: from its gradient dbias (query q's row at dbias + q * stride, at position
-// qpos[q], or at q itself where qpos is null), d g_pos,h += sum_(q, j) dbias B^pos[h, offset] and
-// d B^pos[h, offset] += g_pos,h dbias, over the keys each query sees, in order
+// qpos[q], or at q itself where qpos is null), d g_pos,h += sum_(q, j) dbias B^pos_h(i, j) and
+// d B^pos_h(i, j) += g_pos,h dbias (at bias_index), over the keys each query sees, in order
 template <typename scalar_t>
 void bias_backward(const Dims& D, int64_t h, const scalar_t* dbias, int64_t stride, int64_t nq, const int64_t* qpos,
                    const scalar_t* bpos, scalar_t gp, scalar_t* dbpos, scalar_t& dgp) {
@@ -97,7 +105,7 @@ void bias_backward(const Dims& D, int64_t h, const scalar_t* dbias, int64_t stri
   for (int64_t q = 0; q < nq; ++q) {
     const int64_t i = qpos ? qpos[q] : q;
     for (int64_t j = 0; j <= i; ++j) {
-      const int64_t o = h * D.nctx + std::min(i - j, D.nctx - 1);
+      const int64_t o = bias_index(D, h, i, j);
       g += dbias[q * stride + j] * bpos[o];
       dbpos[o] += gp * dbias[q * stride + j];
     }
@@ -458,7 +466,7 @@ void last_forward(const Dims& D, const std::vector<int64_t>& pos, const scalar_t
   for (int64_t h = 0; h < H; ++h)
     for (int64_t p = 0; p < P; ++p)
       for (int64_t j = 0; j < TP; ++j)
-        bias[(h * P + p) * TP + j] = j <= pos[p] ? gp[h] * bpos[h * D.nctx + std::min(pos[p] - j, D.nctx - 1)] : ninf;
+        bias[(h * P + p) * TP + j] = j <= pos[p] ? gp[h] * bpos[bias_index(D, h, pos[p], j)] : ninf;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     Buffer<scalar_t> row(TP);
     for (int64_t b = b0; b < b1; ++b)
@@ -563,13 +571,16 @@ Dims dims_of(const std::vector<Tensor>& params, const Tensor& tokens, int64_t H,
   const int64_t n = static_cast<int64_t>(params.size()), L = layers_of(n);
   TORCH_CHECK(n == final_param(L, kFinalParams) && L >= 2, "softprior step: ", kLayerParams, " L + ",
               kEmbedParams + kFinalParams, " parameters, L >= 2");
-  const int64_t V = params[kEmbed].size(1), d = params[kEmbed].size(2), nctx = params[layer_param(0, kBpos)].size(2);
+  const Tensor& b0 = params[layer_param(0, kBpos)];  // [K, H, n_ctx] (the soft prior's table) or [K, H, T, T]
+  const int64_t V = params[kEmbed].size(1), d = params[kEmbed].size(2), nctx = b0.size(2);
+  const bool full = b0.dim() == 4;
   TORCH_CHECK(d % H == 0, "softprior step: d_model must be a multiple of the heads");
   TORCH_CHECK(tokens.dim() == 3, "softprior step: tokens [K or 1, B, T] expected");
   const int64_t B = tokens.size(1), T = tokens.size(2), dh = d / H;
   TORCH_CHECK(T <= nctx, "softprior step: the context (", T, ") must fit the position table (", nctx, ")");
+  TORCH_CHECK(!full || (b0.size(2) == T && b0.size(3) == T), "softprior step: a layer's bias [K, H, T, T] expected");
   TORCH_CHECK(params[layer_param(0, kWin)].size(1) == 3 * d + 2 * H * r, "softprior step: in_proj [3d + 2Hr, d] expected");
-  return Dims{B, T, d, H, dh, r, dh + r, 3 * d + 2 * H * r, V, P, nctx, L};
+  return Dims{B, T, d, H, dh, r, dh + r, 3 * d + 2 * H * r, V, P, nctx, L, full};
 }
 
 // What the backward of one run reads, each tensor named once: layer 0's, each middle layer's, then the

@@ -7,8 +7,13 @@ autograd node: ``softprior::step_forward`` computes them (and keeps what the bac
 ``softprior::step_backward`` every parameter's gradient and the gates', without an autograd graph
 of the model's hundreds of operators (docs/PERFORMANCE.md, "The whole-step operator").
 
-``supports(cfg, tokens, T, P)`` says where it applies: the paper's soft prior with no positional
-scheme, LayerNorm before each block, a token task, a context that fits the position table, at
+A layer's B^pos reaches it as the soft prior's table ([K, H, n_ctx], indexed by offset) or, for any
+other prior family, as the family's whole bias ([K, H, T, T], ungated, evaluated by the family's own
+code: ``fastpath._family_bias``); the operator returns that input's gradient, and autograd carries it
+into the family's parameters.
+
+``supports(cfg, tokens, T, P)`` says where it applies: any prior (``fastpath.supports`` keeps the
+families that replace B^content on the readable model) with no positional scheme, LayerNorm before each block, a token task, a context that fits the position table, at
 least two layers and a last layer that reads few positions (2P <= T, fastpath point 4).
 Elsewhere the fast path runs as before (with the attention operator where it applies).
 ``SOFTPRIOR_KERNELS=attention`` keeps the attention operator but not this one.
@@ -43,11 +48,9 @@ def supports(cfg, tokens: bool, T: int, P: int) -> bool:
 
 def why_not(cfg, tokens: bool, T: int, P: int) -> str | None:
     """Why ``step_logits`` does not compute this model at context T with P loss positions (None: it does)."""
-    family = getattr(cfg, "prior_family", "soft")
     for bad, why in ((not tokens, "the task's inputs are vectors, not tokens"),
                      (cfg.positional != "none", f"positional scheme {cfg.positional!r}"),
                      (cfg.norm != "pre", f"norm {cfg.norm!r} (the operator has pre-LayerNorm)"),
-                     (family != "soft", f"prior family {family!r} (the operator has the soft prior)"),
                      (cfg.n_layers < 2, f"{cfg.n_layers} layer (the operator needs at least 2)"),
                      (T > cfg.n_ctx, f"context {T} past the position table's {cfg.n_ctx}"),
                      (2 * P > T, f"{P} loss positions of {T} (the operator's last layer reads at most half)")):

@@ -240,6 +240,17 @@ def _family_bias(params: dict, cfg: ModelConfig, layer: int, K: int, qpos: torch
                         for k in range(K)])
 
 
+def _with_family_biases(params: dict, cfg: ModelConfig, K: int, T: int) -> dict:
+    """``params`` for the whole-step operator: as they are for the soft prior; for another family, each
+    layer's table replaced by the family's bias at every (query, key) pair, [K, H, T, T] (ungated)."""
+    if getattr(cfg, "prior_family", "soft") == "soft":
+        return params
+    table = params["blocks.0.attn.pos_bias"]
+    kpos = torch.arange(T, device=table.device)
+    return {**params, **{f"blocks.{l}.attn.pos_bias": _family_bias(params, cfg, l, K, kpos, kpos).to(table.dtype)
+                         for l in range(cfg.n_layers)}}
+
+
 def _prior_bias(params: dict, cfg: ModelConfig, l: int, c, gp: torch.Tensor, at_loss: bool) -> torch.Tensor:
     """g_pos,h B^pos_h(i, j) + the causal mask for layer ``l``, [K, H, Tq, T], at every query or at the
     loss positions (``at_loss``): the soft prior's table over offsets (``_pos_bias``) or a registered
@@ -525,7 +536,9 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     tokens = cfg.d_in is None
     pos = tuple(int(p) for p in positions.tolist())
     if inputs.device.type == "cpu" and kstep.supports(cfg, tokens, inputs.shape[-1], len(pos)) and kstep.enabled():
-        return kstep.step_logits(params, cfg, inputs, g_pos, g_content, pos)  # point 7: the whole step in C++
+        # point 7: the whole step in C++ (a family's B^pos given to it as data, ``_with_family_biases``)
+        return kstep.step_logits(_with_family_biases(params, cfg, K, inputs.shape[-1]), cfg, inputs, g_pos,
+                                 g_content, pos)
     if inputs.dim() == (2 if tokens else 3):
         inputs = inputs.expand(K, *inputs.shape)
     B, T = inputs.shape[1], inputs.shape[2]
