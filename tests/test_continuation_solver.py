@@ -12,7 +12,9 @@ import pandas as pd
 import pytest
 import torch
 
-from softprior.analysis import continuation as C
+from softprior.analysis.continuation.core import MAX_ITER, REL_DAMPING, TOL, _cg_shifts
+from softprior.analysis.continuation.model import model_second_order, optimum_tangent
+from softprior.analysis.continuation.traces import continuation_trace
 from softprior.config import make_run_config
 from softprior.tasks.generators import make_task
 from softprior.model.transformer import build_model
@@ -84,7 +86,7 @@ def test_the_tangent_at_the_defaults_equals_a_dense_solve_of_its_system(tiny, de
     H, G, A = dense
     n = A.numel()
     assert int((torch.linalg.eigvalsh(H) < 0).sum()) > n // 4  # the Hessian is strongly indefinite here
-    t = C.optimum_tangent(model, task, batch, gate=0.5)
+    t = optimum_tangent(model, task, batch, gate=0.5)
     K = G if getattr(t, "curvature", "hessian") == "ggn" else H
     eye = torch.eye(n, dtype=torch.float64)
     want = -torch.linalg.solve(K + t.damping * eye, A)
@@ -97,15 +99,15 @@ def test_the_tangent_at_the_defaults_equals_a_dense_solve_of_its_system(tiny, de
     # the damping is REL_DAMPING x the largest curvature on the Krylov space of A: at most G's top eigenvalue
     top = float(torch.linalg.eigvalsh(G)[-1])
     assert 0.9 * top <= t.curvature_scale <= top * (1 + 1e-9)
-    assert t.damping == pytest.approx(C.REL_DAMPING * t.curvature_scale) and t.rel_damping == C.REL_DAMPING
+    assert t.damping == pytest.approx(REL_DAMPING * t.curvature_scale) and t.rel_damping == REL_DAMPING
     # deterministic: the same tangent to the bit
-    assert torch.equal(C.optimum_tangent(model, task, batch, gate=0.5).tangent, t.tangent)
+    assert torch.equal(optimum_tangent(model, task, batch, gate=0.5).tangent, t.tangent)
 
 
 def test_gauss_newton_product_is_jt_hz_j_and_positive_semidefinite(tiny, dense):
     _, model, task, batch = tiny
     _, G, _ = dense
-    so = C.model_second_order(model, task, batch, gate=0.5)
+    so = model_second_order(model, task, batch, gate=0.5)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         v = torch.randn(G.shape[0], generator=gen, dtype=torch.float64)
@@ -121,12 +123,12 @@ def test_damping_pair_is_the_cosine_of_the_two_dense_solutions(tiny, dense):
     _, G, A = dense
     eye = torch.eye(A.numel(), dtype=torch.float64)
     lam = 1e-2
-    t = C.optimum_tangent(model, task, batch, gate=0.5, damping=lam)
+    t = optimum_tangent(model, task, batch, gate=0.5, damping=lam)
     d1, d10 = -torch.linalg.solve(G + lam * eye, A), -torch.linalg.solve(G + 10 * lam * eye, A)
     assert t.pair_damping == pytest.approx(10 * lam)
     assert t.damping_cos == pytest.approx(_cos(d1, d10), abs=1e-6)
     assert t.damping_cos < 0.999  # the damping matters here: the pair says so
-    single = C.optimum_tangent(model, task, batch, gate=0.5, damping=lam, pair_factor=None)
+    single = optimum_tangent(model, task, batch, gate=0.5, damping=lam, pair_factor=None)
     assert math.isnan(single.damping_cos) and single.products == t.products
     assert torch.allclose(single.tangent, t.tangent, rtol=0, atol=1e-12 * float(t.tangent.abs().max()))
 
@@ -139,7 +141,7 @@ def test_multishift_cg_solves_every_shift():
     M = q @ torch.diag(ev) @ q.T  # singular, positive semi-definite
     b = torch.randn(n, generator=gen, dtype=torch.float64)
     shifts = [1e-2, 1e-1, 1.0]
-    xs, its, neg = C._cg_shifts(lambda v: M @ v, b, shifts, 500, 1e-12)
+    xs, its, neg = _cg_shifts(lambda v: M @ v, b, shifts, 500, 1e-12)
     assert not neg and its[0] >= its[1] >= its[2] > 0
     for s, x in zip(shifts, xs):
         want = torch.linalg.solve(M + s * torch.eye(n, dtype=torch.float64), b)
@@ -149,34 +151,34 @@ def test_multishift_cg_solves_every_shift():
 def test_an_unconverged_tangent_says_so(tiny, dense):
     _, model, task, batch = tiny
     H, G, A = dense
-    t = C.optimum_tangent(model, task, batch, gate=0.5, max_iter=3)
+    t = optimum_tangent(model, task, batch, gate=0.5, max_iter=3)
     assert t.iterations == 3 and not t.converged and t.rel_residual > t.tol
     # the Hessian at the former defaults: MINRES's residual looked acceptable, the tangent was not converged
-    old = C.optimum_tangent(model, task, batch, gate=0.5, curvature="hessian", method="minres", max_iter=30,
+    old = optimum_tangent(model, task, batch, gate=0.5, curvature="hessian", method="minres", max_iter=30,
                             pair_factor=None)
     eye = torch.eye(A.numel(), dtype=torch.float64)
     assert not old.converged and _cos(old.tangent, -torch.linalg.solve(H + 1e-3 * eye, A)) < 0.5
     with pytest.raises(ValueError, match="unknown curvature"):
-        C.optimum_tangent(model, task, batch, gate=0.5, curvature="fisher")
+        optimum_tangent(model, task, batch, gate=0.5, curvature="fisher")
 
 
 def test_trace_reports_the_solver_per_snapshot():
     cfg = make_run_config("assoc_recall", "fade10", steps=30, snapshot_every=10, eval_every=10, n_val=32,
                           batch_size=16)
     res = train(cfg)
-    short = C.continuation_trace(res.snapshots, cfg, [(0, 0)], n_examples=16, max_iter=3)
+    short = continuation_trace(res.snapshots, cfg, [(0, 0)], n_examples=16, max_iter=3)
     moving = short["tracking_cos"].notna()
     assert list(moving) == [False, True, True, False]
     assert not short["converged"][moving].any() and short["converged"][~moving].all()
     # the damping: REL_DAMPING x the snapshot's curvature scale, reported per snapshot
     assert (short["curvature_scale"][moving] > 0).all()
-    assert short["damping"][moving].to_list() == pytest.approx(list(C.REL_DAMPING * short["curvature_scale"][moving]))
+    assert short["damping"][moving].to_list() == pytest.approx(list(REL_DAMPING * short["curvature_scale"][moving]))
     assert short["damping"][~moving].isna().all()
     assert short["damping_cos"][moving].between(-1, 1).all() and (short["cg_iters"][moving] == 3).all()
     # at the defaults the same snapshots converge (stated tolerance, residual recomputed)
-    full = C.continuation_trace(res.snapshots, cfg, [(0, 0)], n_examples=16)
-    assert full["converged"].all() and (full["rel_residual"][moving] <= C.TOL).all()
-    assert (full["cg_iters"][moving] < C.MAX_ITER).all()
+    full = continuation_trace(res.snapshots, cfg, [(0, 0)], n_examples=16)
+    assert full["converged"].all() and (full["rel_residual"][moving] <= TOL).all()
+    assert (full["cg_iters"][moving] < MAX_ITER).all()
     pd.testing.assert_series_equal(full["damping"], short["damping"])
 
 
@@ -226,8 +228,8 @@ def test_the_report_keys_its_trace_cache_on_the_tangent_settings(tiny, tmp_path,
                         [pd.DataFrame() for _ in jobs])
     reports.continuation_report(Store(), [Cell(cfg, row="unforced")], tmp_path, n_examples=8)
     (_, _, kw), = seen
-    assert kw["curvature"] == "ggn" and kw["tol"] == C.TOL and kw["method"] == "cg"
-    assert kw["rel_damping"] == C.REL_DAMPING and kw["damping"] is None
+    assert kw["curvature"] == "ggn" and kw["tol"] == TOL and kw["method"] == "cg"
+    assert kw["rel_damping"] == REL_DAMPING and kw["damping"] is None
     f = reports._trace_file(Store(), cfg, [(0, 0)], kw)
     assert reports._trace_file(Store(), cfg, [(0, 0)], {**kw, "curvature": "hessian"}) != f
     assert reports._trace_file(Store(), cfg, [(0, 0)], {**kw, "tol": 1e-3}) != f

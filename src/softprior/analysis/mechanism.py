@@ -1,7 +1,7 @@
 """Mechanism analysis (docs/DESIGN.md, "Mechanism traces"): attention patterns, per-head value contributions,
 successor-value mass, mean-ablation importance, previous-token and induction scores, and traces of
 these over training checkpoints. The paper's Section 3.3 continuation quantities (recovery signal,
-optimum tangent, tracking cosine) are in the submodule ``softprior.analysis.continuation``.
+optimum tangent, tracking cosine) are in the subpackage ``softprior.analysis.continuation``.
 
 Every function reads the model's cached intermediates through its hook names
 (``SoftPriorTransformer.run_with_cache`` / ``hooks``); none re-implements the forward pass. The only

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..bundle import ask, ask_many
-from .continuation import MAX_ITER, REL_DAMPING, TOL
+from .continuation.core import MAX_ITER, REL_DAMPING, TOL
 
 if TYPE_CHECKING:  # type names only (the cells live below the experiment registry, which imports this module)
     from ..cells import Cell
@@ -131,7 +131,7 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
     ``continuation.png`` (per task and path, means over seeds: recovery share, its two controls,
     tracking and solution cosines against the step, the gate on a second axis).
 
-    The tangents (``continuation.optimum_tangent``): the ``curvature`` ("ggn": damped Gauss-Newton),
+    The tangents (``continuation.model.optimum_tangent``): the ``curvature`` ("ggn": damped Gauss-Newton),
     damped by ``rel_damping`` x each snapshot's curvature scale (or by ``damping`` when given), solved by
     ``method`` to the relative residual ``tol`` in at most ``max_iter`` products.
     A tracking cosine is a claim's number only where every tangent behind it converged: otherwise the
@@ -142,7 +142,7 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
     sweep's workers: on the shared 2-core machine (load ~5) a tangent snapshot took 2.85 s at 1
     thread and 40.7 s at 2 (docs/PERFORMANCE.md).
     ``workers`` > 1: spawned processes (one thread each) that measure the traces not yet in the store's
-    cache, snapshot by snapshot (``continuation.continuation_traces``; the same numbers). A script that
+    cache, snapshot by snapshot (``continuation.traces.continuation_traces``; the same numbers). A script that
     asks for them needs the ``if __name__ == "__main__":`` guard that spawning processes needs; the
     experiments' analysis (``reproduce``) takes one per core."""
     old_threads = torch.get_num_threads()
@@ -156,18 +156,19 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
 
 
 # the modules whose code decides a continuation trace's numbers: a change to any of them recomputes it
-_TRACE_SOURCES = ("analysis/continuation.py", "analysis/mechanism.py", "model/transformer.py", "tasks/generators.py")
+_TRACE_SOURCES = ("analysis/continuation/core.py", "analysis/continuation/model.py", "analysis/continuation/traces.py",
+                  "analysis/mechanism.py", "model/transformer.py", "tasks/generators.py")
 
 
 def _cached_traces(store, jobs: list[tuple], workers: int = 1) -> list:
-    """``continuation.continuation_trace`` of stored runs (``jobs``: (cfg, heads, settings) each), cached
+    """``continuation.traces.continuation_trace`` of stored runs (``jobs``: (cfg, heads, settings) each), cached
     in ``STORE/analysis_cache/`` (one CSV per run, written atomically by the store's own writer) under a
     key of the run and its files' checksums, the circuit, the settings, torch's version and the source
     of ``_TRACE_SOURCES``: a second report of the same store reads the numbers back exactly (round-trip
     floats) instead of recomputing them (~30 s per large-model snapshot). The runs it must compute are
-    measured together (``continuation.continuation_traces``: with ``workers`` > 1, every snapshot one task
+    measured together (``continuation.traces.continuation_traces``: with ``workers`` > 1, every snapshot one task
     of a process pool). The ``seconds`` column keeps the time the measurement took when it was made."""
-    from .continuation import continuation_traces
+    from .continuation.traces import continuation_traces
     files = [_trace_file(store, cfg, heads, kw) for cfg, heads, kw in jobs]
     out = [_read_trace(f) for f in files]
     todo = [k for k, df in enumerate(out) if df is None]
@@ -248,7 +249,7 @@ def _trace_key(c) -> tuple:
 def _circuits(store, done, n_examples: int, threshold: float) -> dict[tuple, tuple[list, str]]:
     """(task, d_model, seed) -> (circuit heads, the row they were read from): ``circuit_heads`` at the
     final weights of that seed's fade600 run (any run of it where there is none), asked of the source."""
-    from .continuation import circuit_heads
+    from .continuation.model import circuit_heads
     from ..tasks.generators import make_task
     circuits: dict[tuple, tuple[list, str]] = {}
     for c in done:
@@ -280,7 +281,7 @@ def _continuation_frames(store, done, circuits, settings: dict, out, workers: in
     zero-gate metric; None if no run has one."""
     import pandas as pd
 
-    from .continuation import removal_step
+    from .continuation.traces import removal_step
     jobs = [(c.cfg, circuits[_trace_key(c)][0], dict(settings, step_offset=_step_offset(c))) for c in done]
     keys = [{"run": cfg.run_id, "heads": [list(map(int, h)) for h in heads], **kw} for cfg, heads, kw in jobs]
     traces = ask_many(store, "continuation_trace", keys, lambda: _cached_traces(store, jobs, workers), frame=True)
