@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from softprior.bench import _our_step, train_step_flops
+from softprior.bench import _our_step
 from softprior.config import make_run_config
+from softprior.flops import train_step_flops
 from softprior.training.engine import train_group
 from softprior.training.runtime import prepare_training
 

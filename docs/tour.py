@@ -80,8 +80,9 @@ def show(fig):
 # `WORKERS` processes.
 
 # %% tags=["train"]
+from softprior.cells import Cell
 from softprior.executors.sweep import execute
-from softprior.experiments import PAPER_STEPS, Cell, get_experiment
+from softprior.experiments import PAPER_STEPS, get_experiment
 from softprior.paths import scale_to_budget
 
 PATHS = ["unforced", "forced_zero", "fade600"]

@@ -8,7 +8,8 @@ import torch
 
 from softprior.analysis import mechanism as A
 from softprior.config import make_run_config
-from softprior.model.transformer import ModelConfig, SoftPriorTransformer
+from softprior.model.config import ModelConfig
+from softprior.model.transformer import SoftPriorTransformer
 from softprior.tasks.generators import Batch, make_task
 from softprior.tasks.registry import AssocRecallConfig, MarkovConfig
 

@@ -50,7 +50,7 @@ def _code(monkeypatch, commit: str) -> None:
 def _paper(monkeypatch, tmp_path):
     """The plugin's experiments as the paper (its calibration: the tiny search space)."""
     from softprior import paper
-    from softprior.experiments import load_plugin
+    from softprior.plugins import load_plugin
     plugin = tmp_path / "plugin.py"
     plugin.write_text(PLUGIN)
     load_plugin(str(plugin))
@@ -138,7 +138,7 @@ def test_documents_regenerate_from_the_bundle_byte_for_byte_without_the_store(tm
     searched and registered space) writes the bundle; with the store deleted, ``report paper
     --from-bundle`` writes every text file again, byte for byte, and every figure (PNG bytes may
     differ: matplotlib's, not ours)."""
-    from softprior.calibration import load_space
+    from softprior.calibration.space import load_space
     from softprior.reports.calibration_doc import register
     from softprior.calibration.search import run_search
     from softprior.store import RunStore
@@ -247,7 +247,8 @@ def test_undecided_cells_get_more_seeds_and_the_bundle_rebuilds_them(tmp_path, m
     list, so with the store deleted the bundle rebuilds the same cells and documents, without deciding
     again."""
     from softprior import paper
-    from softprior.experiments import load_plugin
+    from softprior.claims import Cond, PaperClaim
+    from softprior.plugins import load_plugin
     from softprior.store import RunStore
     _code(monkeypatch, "0123456789ab")
     plugin = tmp_path / "plugin.py"
@@ -257,8 +258,8 @@ def test_undecided_cells_get_more_seeds_and_the_bundle_rebuilds_them(tmp_path, m
     monkeypatch.setattr(paper, "OURS", [])
     monkeypatch.setattr(paper, "CALIBRATION_SPACES", ())
     monkeypatch.setattr(paper, "MAX_SEEDS", 4)
-    monkeypatch.setattr(paper, "CLAIMS", [paper.PaperClaim("t", "a claim on the plugin's table", "-", (
-        paper.Cond("seeds_table", "forced_zero", "zero", "<=", 0.15),))])  # the tables the rule is given
+    monkeypatch.setattr(paper, "CLAIMS", [PaperClaim("t", "a claim on the plugin's table", "-", (
+        Cond("seeds_table", "forced_zero", "zero", "<=", 0.15),))])  # the tables the rule is given
     asked = []
 
     def more(tables):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from softprior.calibration import CalibrationMissing, Criterion, Row, SpaceError, calibration_key, load_space
-from softprior.calibration.criteria import DIFFICULTY
+from softprior.calibration.criteria import DIFFICULTY, Criterion, Row
+from softprior.calibration.space import SpaceError, load_space
+from softprior.preregistration import CalibrationMissing, calibration_key
 from softprior.store.record_clock import check_calibrated, save_record
 from softprior.calibration.register import make_record
 from softprior.calibration.search import promising
@@ -221,7 +222,7 @@ def test_run_summary_carries_provenance_and_calibration_record(tmp_path):
 
 def test_report_warns_when_a_table_mixes_code_versions(tmp_path, capsys):
     from softprior.preregistration import shipped_records
-    from softprior.experiments import Cell
+    from softprior.cells import Cell
     from softprior.reports.experiment import provenance_note
     from softprior.executors.sweep import run
     store = RunStore(tmp_path / "s")

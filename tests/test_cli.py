@@ -487,7 +487,8 @@ def test_a_cached_rerun_draws_no_empty_bar_and_wrote_names_every_file(tmp_path, 
     """`reproduce NAME` again on a full store: no sweep bar at 0/0 run-steps, and the "wrote" line names
     every file the report wrote (curves.png and formation.csv too), the first time and the second."""
     plugin = tmp_path / "rerun.py"
-    plugin.write_text("from softprior.experiments import Experiment, Cell, register_experiment\n"
+    plugin.write_text("from softprior.cells import Cell\n"
+                      "from softprior.experiments import Experiment, register_experiment\n"
                       "from softprior.config import make_run_config\n"
                       "register_experiment(Experiment('rerun_demo', 'two paths', lambda o: "
                       "[Cell(make_run_config('assoc_recall', p, 0, steps=12, eval_every=6, n_val=32, batch_size=8, "

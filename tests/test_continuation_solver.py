@@ -209,7 +209,7 @@ def test_the_report_keys_its_trace_cache_on_the_tangent_settings(tiny, tmp_path,
     """The report passes the curvature and tolerance into the trace settings (and so into the cache
     key): a trace measured with another quantity is not read back."""
     from softprior.analysis import reports
-    from softprior.experiments import Cell
+    from softprior.cells import Cell
     cfg = tiny[0]
 
     class Store:

@@ -174,7 +174,8 @@ def test_group_engine_exception_is_recorded_with_traceback_before_the_fallback(t
 def test_cli_reproduce_exit_code_reports_failures(tmp_path):
     plugin = tmp_path / "plug.py"
     plugin.write_text(
-        "from softprior.experiments import Experiment, Cell, register_experiment\n"
+        "from softprior.cells import Cell\n"
+        "from softprior.experiments import Experiment, register_experiment\n"
         "from softprior.config import make_run_config\n"
         "def build(o):\n"
         "    kw = dict(steps=20, eval_every=10, n_val=64, batch_size=16)\n"

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from softprior.cells import Cell
 from softprior.cli import main
 from softprior.executors.sweep import execute
-from softprior.experiments import (QUICK_STEPS, Cell, Experiment, Options, UnknownExperimentError, get_experiment,
-                                   list_experiments, load_plugin, register_experiment)
+from softprior.experiments import (QUICK_STEPS, Experiment, Options, UnknownExperimentError, get_experiment,
+                                   list_experiments, register_experiment)
+from softprior.plugins import load_plugin
 from softprior.reports.experiment import aggregate, collect, markdown_table, write_report
 from softprior.store import RunStore
 
@@ -97,7 +99,7 @@ def test_gate_override_evaluations_are_computed_from_weights(tmp_path, task):
     import torch
     from safetensors.torch import load_file
 
-    from softprior.experiments import NORMAL, ZERO, Eval
+    from softprior.cells import Eval, NORMAL, ZERO
     from softprior.model.transformer import SoftPriorTransformer
     from softprior.tasks.generators import make_task
 

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from softprior.calibration import Criterion, Row, calibration_key, load_space
-from softprior.calibration.identify import MIN_SET, hard_ok, identified, matched_rows
-from softprior.preregistration import RecordRefused, verify_record
+from softprior.calibration.criteria import Criterion, Row
+from softprior.calibration.identify import hard_ok, identified, matched_rows
+from softprior.calibration.space import MIN_SET, load_space
+from softprior.preregistration import RecordRefused, calibration_key, verify_record
 from softprior.store.record_clock import check_calibrated
 from softprior.calibration.register import make_record
 from softprior.calibration.search import Candidate
@@ -208,7 +209,7 @@ def _recorded_into_a_bundle_and_regenerated_from_it(tmp_path):
     import shutil
 
     from softprior.bundle import BundleSource, BundleWriter
-    from softprior.calibration import load_space
+    from softprior.calibration.space import load_space
     from softprior.reports.calibration_doc import write_calibration
     from softprior.paper import search_sections
     w = BundleWriter(tmp_path / "results" / "bundle")  # a paper's bundle, of no experiment
@@ -337,7 +338,7 @@ def test_an_effect_search_measures_the_trajectory_effect_in_its_own_store_and_sh
     """The exploratory effect search (no record: its trajectory rows are trained anyway, and never enter a
     verdict table): per candidate fade600, forced_zero and hard_switch600 at the zero gate, the effect
     their means give, and its section for RESULTS.md."""
-    from softprior.calibration import load_space
+    from softprior.calibration.space import load_space
     from softprior.calibration.criteria import trajectory_effect
     from softprior.reports.calibration_doc import effect_section
     from softprior.calibration.search import load_candidates

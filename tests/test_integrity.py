@@ -14,7 +14,8 @@ from conftest import state_dicts_equal, tiny_config
 from softprior.cli import main
 from softprior.executors.sweep import execute
 from softprior.store.integrity import verify_store
-from softprior.store import RunStore, StoreError
+from softprior.store import RunStore
+from softprior.store.errors import StoreError
 from softprior.training.loop import train
 
 SNAP = "snapshots/step_0000004.safetensors"

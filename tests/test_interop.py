@@ -9,7 +9,8 @@ pytest.importorskip("transformer_lens")
 from transformer_lens import HookedTransformer  # noqa: E402  (after the skip)
 
 from softprior.interop import export_transformer_lens, load_transformer_lens, to_hooked_transformer  # noqa: E402
-from softprior.model.transformer import ModelConfig, SoftPriorTransformer  # noqa: E402
+from softprior.model.config import ModelConfig  # noqa: E402
+from softprior.model.transformer import SoftPriorTransformer  # noqa: E402
 
 VOCAB, NCTX = 20, 16
 

@@ -13,7 +13,8 @@ from torch.func import functional_call, stack_module_state
 from softprior import kernels
 from softprior.model import fastpath
 from softprior.kernels import step as kstep
-from softprior.model.transformer import ModelConfig, SoftPriorTransformer
+from softprior.model.config import ModelConfig
+from softprior.model.transformer import SoftPriorTransformer
 
 needs_build = pytest.mark.skipif(not kernels.available(), reason=f"the operator did not build: {kernels.build_error()}")
 

@@ -24,7 +24,7 @@ STEPS = 12
 
 def _by_hand_flops(cfg) -> float:
     """Matmul FLOPs of one training step, counted here from the shapes (forward x 3; the last layer
-    at the loss positions only), the count ``bench.train_step_flops`` documents."""
+    at the loss positions only), the count ``flops.train_step_flops`` documents."""
     m, B, T = cfg.model, cfg.batch_size, cfg.model.n_ctx
     P = len(make_task(cfg.task).loss_positions(T))
     fwd = 2 * B * P * m.d_model * m.vocab  # tied unembedding

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from softprior.model.transformer import ModelConfig, SoftPriorTransformer, UnknownModelError, model_preset, size_label
+from softprior.model.config import ModelConfig, UnknownModelError, model_preset, size_label
+from softprior.model.transformer import SoftPriorTransformer
 
 B, T, V = 3, 32, 32
 

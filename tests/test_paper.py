@@ -10,7 +10,8 @@ import pytest
 
 from softprior.config import make_run_config
 from softprior.experiments import Options, get_experiment
-from softprior.paper import CLAIMS, load_tables, verdict_table, verdicts, write_results_doc
+from softprior.claims import CLAIMS, verdicts
+from softprior.paper import load_tables, verdict_table, write_results_doc
 from softprior.paths import get_path, scale_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def test_claim_predicates_by_hand():
 def test_intervals_by_hand():
     """t interval: mean .15, s = .01, n = 3: .15 -+ 4.3027 x .01 / sqrt 3 = [.1252, .1748]; chi-square
     interval of an SD (s = 1, n = 3): [sqrt(2 / 7.3778), sqrt(2 / .050636)] = [.5207, 6.285]."""
-    from softprior.paper import difference_interval, mean_interval, sd_interval
+    from softprior.claims import difference_interval, mean_interval, sd_interval
     lo, hi = mean_interval([0.14, 0.15, 0.16])
     assert lo == pytest.approx(0.12516, abs=1e-4) and hi == pytest.approx(0.17484, abs=1e-4)
     assert mean_interval([0.5, 0.5]) == (0.5, 0.5)
@@ -296,12 +297,13 @@ def test_reports_written_in_parallel_equal_the_serial_ones(tmp_path):
     """``write_reports(workers=2)`` rebuilds each experiment's cells in a worker (plugins loaded
     there too) and writes the same files as one process does."""
     from softprior.executors.sweep import execute
-    from softprior.experiments import load_plugin
+    from softprior.plugins import load_plugin
     from softprior.paper import write_reports
     from softprior.store import RunStore
     plugin = tmp_path / "two.py"
     plugin.write_text(
-        "from softprior.experiments import Experiment, Cell, register_experiment\n"
+        "from softprior.cells import Cell\n"
+        "from softprior.experiments import Experiment, register_experiment\n"
         "from softprior.config import make_run_config\n"
         "for name, path in (('par_a', 'fade40'), ('par_b', 'forced_zero')):\n"
         "    register_experiment(Experiment(name, 'parallel report test', lambda o, path=path: "
@@ -448,7 +450,7 @@ def test_results_doc_sets_the_tables_on_another_record_beside_the_paper(tmp_path
 def test_the_cross_regime_table_puts_each_records_verdicts_side_by_side(tmp_path):
     """One column per record whose tables ran (the default tables, then each on_record/NAME), each cell
     the verdict the record's own verdict table gives; nothing when no table ran on another record."""
-    from softprior.paper import ON_RECORD_DIR, cross_regime_summary, cross_regime_table, registered_changes, verdicts
+    from softprior.paper import ON_RECORD_DIR, cross_regime_summary, cross_regime_table, registered_changes
     res = ROOT / "docs" / "results"
     subs = sorted(p for p in (res / ON_RECORD_DIR).glob("*") if p.is_dir() and load_tables(p))
     table = cross_regime_table(res).split("\n")

@@ -10,9 +10,9 @@ from pydantic import ValidationError
 
 import softprior.paths as paths_mod
 from softprior.paths import (
-    Fade, GateConfig, HardSwitch, Linear, PathConfig, UnknownPathError, get_path, list_paths, load_path_file,
-    register_path,
+    GateConfig, PathConfig, UnknownPathError, get_path, list_paths, load_path_file, register_path,
 )
+from softprior.schedules import Fade, HardSwitch, Linear
 
 TOTAL = 3600
 

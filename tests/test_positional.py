@@ -8,7 +8,9 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from softprior.model.baselines import BASELINES, GATED_BASELINES, list_baselines, resolve_baseline
 from softprior.paths import GateConfig
-from softprior.positional import SCHEMES, UnknownSchemeError, alibi_slopes, make_scheme, t5_bucket
+from softprior.positional import SCHEMES, make_scheme
+from softprior.positional.base import UnknownSchemeError
+from softprior.positional.bias import alibi_slopes, t5_bucket
 
 DIMS = dict(n_heads=4, d_head=16, d_model=64, n_ctx=32, layer=0, n_layers=2)
 

@@ -52,7 +52,8 @@ def snapshot(root: Path) -> dict:
 
 PLUGIN = """
 from softprior.config import make_run_config
-from softprior.experiments import Cell, Eval, Experiment, NORMAL, ZERO, register_experiment
+from softprior.cells import Cell, Eval, NORMAL, ZERO
+from softprior.experiments import Experiment, register_experiment
 
 def build(opts):
     return [Cell(make_run_config("assoc_recall", p, 0, steps={steps}), row=p, evals=(ZERO, NORMAL, Eval("at 40", None, 40)))

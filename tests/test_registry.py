@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from softprior.experiments import EXPERIMENTS
-from softprior.model.transformer import MODEL_PRESETS, UnknownModelError
+from softprior.model.config import MODEL_PRESETS, UnknownModelError
 from softprior.paths import GateConfig, get_path, list_paths
 from softprior.positional import SCHEMES
 from softprior.registry import Registry

@@ -9,7 +9,8 @@ import pytest
 
 import softprior.experiments as experiments
 from softprior.executors.sweep import execute
-from softprior.experiments import Cell, Experiment
+from softprior.cells import Cell
+from softprior.experiments import Experiment
 from softprior.reports.experiment import aggregate, copy_floor, describe, markdown_table, plot_bars, write_report
 from softprior.store import RunStore
 

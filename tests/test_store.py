@@ -20,7 +20,8 @@ import softprior.executors.sweep as runner_mod
 from conftest import patch_train, state_dicts_equal, tiny_config
 from softprior.paths import GateConfig, PathConfig
 from softprior.schedules import Fade
-from softprior.store import RunNotFoundError, RunStore, StoreError, load_results
+from softprior.store import RunStore, load_results
+from softprior.store.errors import RunNotFoundError, StoreError
 from softprior.training.loop import train
 
 FILES = {"config.json", "metrics.jsonl", "final.safetensors", "summary.json"}
@@ -261,7 +262,7 @@ def test_corrupt_index_raises_store_error(tmp_path):
 
 def test_an_unreadable_run_points_at_store_verify(done_run):
     """It used to say "checkpoint does not match its config", which names no way out."""
-    from softprior.store import StoreDamagedError
+    from softprior.store.errors import StoreDamagedError
     store, cfg, _ = done_run
     (store.run_dir(cfg.run_id) / "final.safetensors").write_bytes(b"not weights")
     for call in (store.load_model, store.load_state):
@@ -271,7 +272,7 @@ def test_an_unreadable_run_points_at_store_verify(done_run):
 
 def test_a_store_opened_read_only_is_read_and_never_written(done_run, tmp_path):
     """``read_only=True`` (the commands that only read): no store is created, every write refuses."""
-    from softprior.store import StoreNotFoundError, StoreReadOnlyError
+    from softprior.store.errors import StoreNotFoundError, StoreReadOnlyError
     with pytest.raises(StoreNotFoundError, match="check --store"):
         RunStore(tmp_path / "typo", read_only=True)
     assert not (tmp_path / "typo").exists()

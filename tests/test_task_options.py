@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from softprior.config import make_run_config
-from softprior.model.transformer import ModelConfig, initial_pos_bias
+from softprior.model.config import ModelConfig
+from softprior.model.transformer import initial_pos_bias
 from softprior.tasks.generators import make_task
 from softprior.tasks.registry import task_config
 

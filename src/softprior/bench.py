@@ -18,7 +18,7 @@ import torch
 
 from .flops import gemm_rate, train_step_flops
 
-__all__ = ["run_bench", "run_engines", "engine_table", "train_step_flops", "gemm_rate"]
+__all__ = ["run_bench", "run_engines", "engine_table"]
 
 
 def _our_step(cfg):

@@ -17,8 +17,8 @@ from .cells import NORMAL, ZERO, Cell, Eval, readings
 from .config import RunConfig, make_run_config
 from .registry import Registry
 
-__all__ = ["Eval", "Cell", "Experiment", "Options", "register_experiment", "get_experiment", "list_experiments",
-           "load_plugin", "PluginError", "UnknownExperimentError", "UnknownTaskFilterError", "NORMAL", "ZERO"]
+__all__ = ["Experiment", "Options", "register_experiment", "get_experiment", "list_experiments", "UnknownExperimentError",
+           "UnknownTaskFilterError"]
 
 
 class UnknownExperimentError(ValueError):
@@ -107,8 +107,6 @@ def get_experiment(name: str) -> Experiment:
 def list_experiments() -> list[tuple[str, str]]:
     return EXPERIMENTS.listing()
 
-
-from .plugins import PluginError, load_plugin  # noqa: E402,F401 - the plugin loader lives in plugins.py
 
 
 # ------------------------------------------------------------------------------------- helpers

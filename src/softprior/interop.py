@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from .model.transformer import ModelConfig, SoftPriorTransformer
+from .model.config import ModelConfig
+from .model.transformer import SoftPriorTransformer
 
 __all__ = ["to_hooked_transformer", "export_transformer_lens", "load_transformer_lens", "tl_config_dict",
            "FORMAT", "ExportError", "MissingExtraError"]

@@ -1,7 +1,7 @@
 """The whole paper in one command.
 
 ``PAPER``: every experiment in dependency order (the paper's, then ours, marked as ours).
-``CLAIMS`` (declared once in ``claims.py``, re-exported here): each claim's statement, the table
+``claims.CLAIMS`` (declared once in ``claims.py``): each claim's statement, the table
 cells it reads (experiment, row, column), the paper's numbers, and predicates decided on intervals
 over seeds (``claims.verdict_of``). ``write_results_doc`` generates the whole of
 ``docs/RESULTS.md`` from the experiments' ``table.csv`` / ``table.md`` files: the prose there is
@@ -13,11 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .preregistration import record_reading
-from .claims import (CLAIMS, CONFIDENCE, HIGH, Cond, PaperClaim, claims_spec, difference_interval,  # noqa: F401
-                     mean_interval, sd_interval, verdict_of, verdicts, NOT_APPLICABLE)
+from .claims import CLAIMS, NOT_APPLICABLE, PaperClaim, verdicts
 
-__all__ = ["PAPER", "OURS", "Cond", "PaperClaim", "CLAIMS", "verdicts", "verdict_of", "claims_spec", "mean_interval",
-           "difference_interval", "sd_interval", "verdict_table", "verdict_summary", "write_results_doc", "formation_summary",
+__all__ = ["PAPER", "OURS", "verdict_table", "verdict_summary", "write_results_doc", "formation_summary",
            "paper_cells", "build_cells", "claim_tables", "more_seeds", "MAX_SEEDS", "write_reports",
            "write_calibration_docs", "CALIBRATION_SPACES"]
 
@@ -605,7 +603,8 @@ def _report_one(spec: tuple[str, str], name: str, opts, plugins: tuple, out_dir:
     started, t0 = time.time(), time.perf_counter()
     import torch
 
-    from .experiments import get_experiment, load_plugin
+    from .experiments import get_experiment
+    from .plugins import load_plugin
     from .reports.experiment import write_report
     torch.set_num_threads(threads)
     for f in plugins:
@@ -628,7 +627,7 @@ def write_calibration_docs(source, doc, out, spaces=CALIBRATION_SPACES, *, steps
     (``reports.calibration_doc.write_calibration``), from a store or a results bundle; with ``bundle`` (a bundle
     being written) each space is recorded as part ``calibration-SPACE``. Returns the spaces written."""
     from .bundle import Recorder
-    from .calibration import load_space
+    from .calibration.space import load_space
     from .reports.calibration_doc import write_calibration
     done = []
     for name in spaces:

@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .registry import Registry
-from .schedules import Constant, Fade, HardSwitch, Linear, Schedule
+from .schedules import Fade, HardSwitch, Linear, Schedule
 
 try:  # Python >= 3.11
     import tomllib
@@ -226,8 +226,6 @@ def list_paths() -> list[tuple[str, str]]:
     rows += [(name, desc) for _, name, desc in _PATTERNS]
     return rows
 
-
-__all__ += ["Constant", "Linear", "Fade", "HardSwitch"]
 
 
 # ---------------------------------------------------------------- scaling to another budget

@@ -366,7 +366,7 @@ def _continuation_text(rows, circuits, all_, threshold, *, n_examples, damping, 
 
 
 def continuation_claims_table(rows: list[dict]):
-    """The continuation quantities the paper's claims read (``paper.CLAIMS``), as (row, column, mean,
+    """The continuation quantities the paper's claims read (``claims.CLAIMS``), as (row, column, mean,
     std) like an experiment's table.csv: per path, "<task> share", "<task> solution cos", "<task>
     tracking cos" (at removal, over seeds); per accuracy task, row "all paths", column "<task>
     spearman(share, zero)": the rank correlation between the circuit share at removal and the final

@@ -11,12 +11,3 @@ What is written from them (the table, the figure, the registered record and the 
 ``docs/CALIBRATION.md``) lives with the other report writers: ``softprior.reports.calibration`` and
 ``softprior.reports.calibration_doc``.
 """
-
-from .criteria import DIFFICULTY, Criterion, Row, criteria_for, difficulty_rows
-from ..preregistration import CalibrationMissing, calibration_key, shipped_records
-from ..store.record_clock import check_calibrated
-from .space import SearchSpace, SpaceError, load_space, shipped_spaces
-
-__all__ = ["DIFFICULTY", "Criterion", "Row", "criteria_for", "difficulty_rows",
-           "CalibrationMissing", "calibration_key", "check_calibrated", "shipped_records", "SearchSpace",
-           "SpaceError", "load_space", "shipped_spaces"]

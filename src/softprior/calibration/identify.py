@@ -21,10 +21,9 @@ import math
 from ..cells import LENGTH_VARIANTS, length_view
 from ..tiers import MATCH_Z, rows_for
 from .search import REGISTER_SEEDS, completed_file, with_completed
-from .space import MIN_SET
 
-__all__ = ["MIN_SET", "REGISTER_SEEDS", "row_values", "matched_rows", "hard_ok", "identified", "identified_at",
-           "identified_set", "identification_block", "complete", "length_reading", "member_table", "results_section", "with_completed", "member_entry", "conflicts"]
+__all__ = ["row_values", "matched_rows", "hard_ok", "identified", "identified_at",
+           "identified_set", "identification_block", "complete", "length_reading", "member_table", "results_section", "member_entry", "conflicts"]
 
 
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 from ..cells import formation_step
 from ..config import make_run_config, validation_message
-from .criteria import PAPER_ACCURACY, Criterion, Row, criteria_for, difficulty_rows, trajectory_effect
+from .criteria import PAPER_ACCURACY, Criterion, Row, trajectory_effect
 from .space import SearchSpace
 
 __all__ = ["Candidate", "run_search", "load_candidates", "complete_nearest", "candidate_configs", "measure",
-           "formation_step", "study_name", "ceiling", "check_ceiling"]
+           "study_name", "ceiling", "check_ceiling"]
 
 
 @dataclass

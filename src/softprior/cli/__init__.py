@@ -94,7 +94,7 @@ _FAILURES = (("softprior.cli.common", "CliFailure"), ("softprior.store.errors", 
 _BAD_INPUT = (("softprior.cli.common", "CliError"), ("pydantic", "ValidationError"),
               ("softprior.store.errors", "StoreError"),  # a run or store not there, a store not writable
               ("softprior.paths", "UnknownPathError"), ("softprior.tasks.registry", "UnknownTaskError"),
-              ("softprior.model.transformer", "UnknownModelError"), ("softprior.model.baselines", "UnknownBaselineError"),
+              ("softprior.model.config", "UnknownModelError"), ("softprior.model.baselines", "UnknownBaselineError"),
               ("softprior.positional.base", "UnknownSchemeError"),
               ("softprior.experiments", "UnknownExperimentError"), ("softprior.experiments", "UnknownTaskFilterError"),
               ("softprior.plugins", "PluginError"), ("softprior.calibration.space", "SpaceError"),

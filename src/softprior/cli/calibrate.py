@@ -31,7 +31,7 @@ def _register(args, space, store, cands) -> list:
 
 
 def cmd_calibrate(args) -> int:
-    from ..calibration import load_space
+    from ..calibration.space import load_space
     from ..reports.calibration import choose, write_outputs
     from ..calibration.search import load_candidates, run_search
 

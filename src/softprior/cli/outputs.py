@@ -64,7 +64,7 @@ def _record_report(store, name: str, started: float, seconds: float, runs: int) 
     if store.read_only:
         return
     from ..provenance import code_version, provenance
-    from ..store import StoreError
+    from ..store.errors import StoreError
     try:
         store.record_timing("report", name, seconds, 0.0, runs, started, code_version=code_version(provenance()))
     except StoreError as e:

@@ -93,7 +93,8 @@ def _paper(args, train: bool) -> int:
     from pathlib import Path
 
     from . import main
-    from ..experiments import Options, load_plugin
+    from ..experiments import Options
+    from ..plugins import load_plugin
     from ..paper import (CALIBRATION_SPACES, ON_RECORD, OURS, PAPER, paper_cells, write_calibration_docs,
                         write_reports, write_results_doc)
     from ..reports.experiment import check_clean

@@ -15,7 +15,8 @@ from .timings import cmd_report_timings
 
 
 def _experiment(args):
-    from ..experiments import Options, get_experiment, load_plugin
+    from ..experiments import Options, get_experiment
+    from ..plugins import load_plugin
     for f in args.plugin or []:
         load_plugin(f)
     exp = get_experiment(args.name)

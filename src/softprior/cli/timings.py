@@ -11,7 +11,7 @@ def _ledger_kind(store):
     """A job row's kind for ``report timings``: task/size (``reports.timings.job_kind``), and the positional scheme
     where there is one, read from the store's config of its first run."""
     from ..reports.timings import job_kind
-    from ..store import StoreError
+    from ..store.errors import StoreError
 
     def kind_of(row) -> str:
         try:

@@ -12,7 +12,8 @@ from .outputs import _creatable
 
 
 def cmd_experiments(args) -> int:
-    from ..experiments import list_experiments, load_plugin
+    from ..experiments import list_experiments
+    from ..plugins import load_plugin
     for f in args.plugin or []:
         load_plugin(f)
     return _print_rows(list_experiments())

@@ -1,6 +1,6 @@
 """The time ledger: each job returns its wall time (``JobResult.timing``; a resumed job's earlier pieces
 ride in its checkpoint's metadata), and the driver appends a row per job, with the FLOP it trained
-(``bench.train_step_flops`` x steps), and one per sweep to the store's ledger (``RunStore.record_timing``;
+(``flops.train_step_flops`` x steps), and one per sweep to the store's ledger (``RunStore.record_timing``;
 ``softprior report timings`` reads it). Timing only: no run's numbers change.
 """
 
@@ -10,13 +10,13 @@ import os
 import sys
 
 from ..config import RunConfig
-from ..store import StoreError
+from ..store.errors import StoreError
 from .job import JobResult
 
 
 def _ledger_gemm_rate() -> float | None:
     """The GEMM rate (GFLOP/s) a sweep records in the ledger beside its jobs: ``$SOFTPRIOR_GEMM_GFLOPS``
-    if set, else ``bench.gemm_rate()`` measured once per process, before the sweep's workers start."""
+    if set, else ``flops.gemm_rate()`` measured once per process, before the sweep's workers start."""
     global _GEMM_RATE
     env = os.environ.get("SOFTPRIOR_GEMM_GFLOPS")
     if env:
@@ -33,7 +33,7 @@ _GEMM_RATE: float | None = None
 class _Ledger:
     """Writes a sweep's rows to the store's time ledger (``RunStore.record_timing``), from the driver
     alone: each job's wall time (``JobResult.timing``, measured where it ran), the FLOP it trained
-    (``bench.train_step_flops`` x the steps its pieces trained, over the runs that finished), the code
+    (``flops.train_step_flops`` x the steps its pieces trained, over the runs that finished), the code
     version (``provenance.code_version``) and the sweep's GEMM rate. Timing only: a row that cannot be
     written is reported on stderr, and the sweep goes on."""
 

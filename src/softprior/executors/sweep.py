@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import RunConfig
-from ..store import RunStore, StoreError
+from ..store import RunStore
+from ..store.errors import StoreError
 from .backends import _Finished, _Serial, _backend
 from .environment import _env_seconds
 from .grouping import _jobs, group_sizes

@@ -144,7 +144,11 @@ def _scheme_kind(name: str) -> str | None:
     what its parent does not), so a new scheme is "unsupported" until the fast path is taught it."""
     if name == "none":
         return None
-    from ..positional import GPSA, SCHEMES, AdditiveBias, CoPE, DAPE, LearnedAbsolute, PositionalScheme, RoPE
+    from ..positional import SCHEMES
+    from ..positional.absolute import LearnedAbsolute
+    from ..positional.base import AdditiveBias, PositionalScheme
+    from ..positional.contextual import DAPE, GPSA, CoPE
+    from ..positional.rotary import RoPE
     cls = SCHEMES[name][0]
     changed = {f for f in ("embed_positions", "rotate", "adjust_logits", "mix_pattern")
                if getattr(cls, f) is not getattr(PositionalScheme, f)}

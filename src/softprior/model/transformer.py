@@ -44,10 +44,10 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .config import MODEL_PRESETS, ModelConfig, UnknownModelError, model_preset, size_label  # noqa: F401
 
-__all__ = ["ModelConfig", "SoftPriorTransformer", "build_model", "MODEL_PRESETS", "model_preset", "size_label", "UnknownModelError",
-           "HookError", "OBSERVE_ONLY_HOOKS", "shape_gate"]
+from .config import ModelConfig
+
+__all__ = ["SoftPriorTransformer", "build_model", "HookError", "OBSERVE_ONLY_HOOKS", "shape_gate"]
 
 
 class HookError(ValueError):

@@ -41,16 +41,12 @@ from __future__ import annotations
 
 from ..registry import Registry
 from .absolute import LearnedAbsolute, NoPE
-from .base import AdditiveBias, PositionalScheme, UnknownSchemeError
-from .bias import ALiBi, FIRE, KerpleLog, KerplePower, T5RelativeBias, alibi_slopes, t5_bucket
+from .base import PositionalScheme, UnknownSchemeError
+from .bias import ALiBi, FIRE, KerpleLog, KerplePower, T5RelativeBias
 from .contextual import DAPE, GPSA, CoPE
 from .rotary import RoPE
 
-__all__ = [
-    "PositionalScheme", "AdditiveBias", "make_scheme", "SCHEMES", "UnknownSchemeError", "alibi_slopes", "t5_bucket",
-    "LearnedAbsolute", "NoPE", "RoPE", "ALiBi", "T5RelativeBias", "KerpleLog", "KerplePower", "FIRE",
-    "CoPE", "DAPE", "GPSA",
-]
+__all__ = ["make_scheme", "SCHEMES"]
 
 
 # ============================================================================ registry

@@ -93,7 +93,8 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
     lists each member's options and identification rows. Its task and model options are the best
     member's. Refuses if a prediction row of any member was trained before it."""
     from ..preregistration import default_options
-    from ..calibration.identify import identified_at, length_reading, member_entry, with_completed
+    from ..calibration.identify import identified_at, length_reading, member_entry
+    from ..calibration.search import with_completed
     members = identified_at(space, with_completed(space, store, cands))
     if not members:
         raise CalibrationMissing(f"search {space.name!r} has no candidate measured on five seeds (none measured "

@@ -25,9 +25,10 @@ from pathlib import Path
 
 
 from ..bundle import BundleError, ask
-from ..cells import HALF, evaluate_cell, formation_step
-from ..experiments import Cell, Experiment
-from ..store import RunStore, StoreError
+from ..cells import HALF, Cell, evaluate_cell, formation_step
+from ..experiments import Experiment
+from ..store import RunStore
+from ..store.errors import StoreError
 
 __all__ = ["collect", "aggregate", "write_report", "splice_into_doc", "dirty_runs", "check_clean",
            "DirtyRunsRefused"]

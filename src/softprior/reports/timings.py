@@ -136,7 +136,7 @@ def format_timings(t: dict) -> str:
              "ran at once count once)",
              f"  sums: jobs {_secs(t['job_seconds'])} ({t['runs']} runs, {t['run_steps']:,} run-steps; worker-seconds), "
              f"reports {_secs(t['report_seconds'])}, sweeps {_secs(t['sweep_seconds'])}",
-             f"training: {t['flop'] / 1e12:.4g} TFLOP (bench.train_step_flops x steps)"]
+             f"training: {t['flop'] / 1e12:.4g} TFLOP (flops.train_step_flops x steps)"]
     if t["gemm_gflops"]:
         lines.append(f"floor: {_secs(t['floor_seconds'])}: that FLOP at {t['gemm_gflops']:.1f} GFLOP/s, "
                      f"{t['gemm_source']}")

@@ -45,12 +45,11 @@ import torch
 
 from ..config import RunConfig
 from .errors import RunNotFoundError, StoreDamagedError, StoreError, StoreNotFoundError, StoreReadOnlyError
-from .files import RunFiles, _atomic_write_bytes, sha256_file
-from .index import STALE_SECONDS, RunIndex
+from .files import RunFiles, _atomic_write_bytes
+from .index import RunIndex
 from .record_clock import calibration_dir, check_calibrated, covering_records, save_record, store_records
 
-__all__ = ["RunStore", "RunIndex", "RunFiles", "StoreError", "RunNotFoundError", "StoreNotFoundError",
-           "StoreReadOnlyError", "StoreDamagedError", "load_results", "sha256_file", "STALE_SECONDS"]
+__all__ = ["RunStore", "load_results"]
 
 
 class RunStore:
@@ -131,9 +130,9 @@ class RunStore:
         """Append a row to the time ledger (table ``ledger``, append-only): the wall ``seconds`` of a
         ``kind`` = "job" (one run or a group trained together; a job resumed from checkpoints counts each
         piece), "report" or "sweep" (one ``executors.sweep.execute`` call, the driver's whole wall time), the
-        ``flop`` it trained (``bench.train_step_flops`` x steps, summed over its ``runs``), when it
+        ``flop`` it trained (``flops.train_step_flops`` x steps, summed over its ``runs``), when it
         started (unix time), the host, the code version (``provenance.code_version``), the GEMM rate the
-        sweep measured (``bench.gemm_rate``, GFLOP/s), and a JSON-able ``detail`` (run ids, pieces, ...).
+        sweep measured (``flops.gemm_rate``, GFLOP/s), and a JSON-able ``detail`` (run ids, pieces, ...).
         Written by the sweep driver alone (workers return their timing); ``softprior report timings``
         reads it (``reports.timings.ledger_summary``)."""
         self.index.record_timing(kind, name, seconds, flop, runs, started_at, host, code_version, gemm_gflops, detail)

@@ -65,12 +65,12 @@ CREATE TABLE IF NOT EXISTS ledger (  -- the time ledger (RunIndex.record_timing)
     kind TEXT NOT NULL,              -- job (one run or a group trained together) | report | sweep
     name TEXT NOT NULL,              -- a job's runs (task, model, path and seed of each), a report's experiment
     seconds REAL NOT NULL,           -- wall time: a job resumed from checkpoints, the sum of its pieces
-    flop REAL NOT NULL,              -- FLOP trained (bench.train_step_flops x steps, over the runs); 0 for a report
+    flop REAL NOT NULL,              -- FLOP trained (flops.train_step_flops x steps, over the runs); 0 for a report
     runs INTEGER NOT NULL,           -- runs trained (a job) or read (a report)
     started_at REAL NOT NULL,        -- unix time its first piece started
     host TEXT,
     code_version TEXT,               -- provenance.code_version of the code that ran it
-    gemm_gflops REAL,                -- the GEMM rate the sweep measured on its machine (bench.gemm_rate); NULL if none
+    gemm_gflops REAL,                -- the GEMM rate the sweep measured on its machine (flops.gemm_rate); NULL if none
     detail TEXT,                     -- JSON: run_ids, pieces [[started_at, seconds], ...], steps, status, threads, ...
     created REAL
 );
