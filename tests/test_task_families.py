@@ -223,3 +223,102 @@ def test_linear_icl_points_that_do_not_fit_are_refused_at_config_time():
         make_run_config("linear_icl", "unforced", task_options={"format": "interleaved", "n_points": 31})
     with pytest.raises(ValueError, match="n_points=16 does not fit"):
         make_run_config("linear_icl", "unforced", task_options={"format": "interleaved", "n_points": 16})
+
+
+# ------------------------------------------------------------------ a plugin task with only what it must define
+BARE = '''
+from typing import Literal
+
+import torch
+
+from softprior.tasks.generators import Batch, Task
+from softprior.tasks.registry import TaskConfigBase, register_task
+
+
+class BareConfig(TaskConfigBase):
+    name: Literal["bare_copy"] = "bare_copy"
+    vocab: int = 8
+
+
+class BareCopy(Task):
+    """Copy the first token: a generator's required parts only (no answer_mask, chance_text,
+    ceiling_text, ceiling_options, row_options, bayes_accuracy or reference_mse)."""
+    metric, input_kind, chance = "acc", "tokens", 1 / 7
+
+    def min_length(self):
+        return 2
+
+    def sample(self, batch_size, length, generator):
+        x = torch.randint(1, self.cfg.vocab, (batch_size, length), generator=generator)
+        return Batch(x, x[:, 0].clone())
+
+
+register_task("bare_copy", config=BareConfig, generator=BareCopy, description="copy the first token (acc)")
+'''
+
+THROUGH = '''
+import contextlib, io, json, math, sys
+import torch
+from softprior.plugins import load_plugin
+load_plugin(sys.argv[1])
+from softprior.analysis.mechanism import answer_mask, trace
+from softprior.calibration.robustness import fade_row
+from softprior.cells import Cell, length_view
+from softprior.cli import main
+from softprior.config import make_run_config
+from softprior.model.transformer import build_model
+from softprior.reports.experiment import chance_text
+from softprior.tasks.generators import make_task
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    rc = main(["tasks", "--ceilings"])
+cfg = make_run_config("bare_copy", "unforced", 0, model="base", calibrated=False, n_val=8)
+task = make_task(cfg.task)
+try:
+    answer_mask(task, task.sample(2, 8, torch.Generator().manual_seed(0)))
+    mask = None
+except ValueError as e:
+    mask = str(e)
+model = build_model(cfg)
+df = trace([(0, model.state_dict())], cfg, n_examples=8)
+view, _ = length_view(cfg, model, "pairs fill", 64)
+print(json.dumps({"rc": rc, "out": out.getvalue(), "mask": mask, "successor_mass_nan": bool(df["successor_mass"].isna().all()),
+                  "chance": chance_text([Cell(cfg, row="unforced")]), "fade": fade_row("bare_copy").model_dump(),
+                  "fill_same": view.task == cfg.task}))
+'''
+
+
+def test_a_plugin_task_without_the_optional_parts_goes_through_every_path_that_asks_for_them(tmp_path):
+    """What the package asks of a task beyond its batches (``tasks.generators.Task``: the answer position,
+    the chance line's words, the ceilings' listing, the fade point's options, the context filled with
+    pairs) has a default: a plugin task that defines none of it goes through each caller (in a fresh
+    interpreter: the registration stays there), and the paper's tasks say what they said."""
+    import json
+    import subprocess
+    import sys
+    plugin = tmp_path / "bare.py"
+    plugin.write_text(BARE)
+    p = subprocess.run([sys.executable, "-c", THROUGH, str(plugin)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["rc"] == 0
+    lines = [x.strip() for x in r["out"].splitlines()]
+    assert "bare_copy: no Bayes ceiling (the task defines no bayes_accuracy)" in lines
+    assert lines.count("assoc_recall: Bayes ceiling 0.781") == 1 and sum(x.startswith("markov p=") for x in lines) == 3
+    assert any(x.startswith("linear_icl: query MSE / E[y^2]: least_squares ") for x in lines)
+    assert r["mask"] and "answer_mask" in r["mask"] and r["successor_mass_nan"]
+    assert r["chance"] is None and r["fade"] == {"path": "fade600", "task": {}} and r["fill_same"]
+
+
+def test_the_paper_tasks_state_their_optional_parts():
+    from softprior.calibration.robustness import fade_row
+    from softprior.cells import Cell
+    from softprior.reports.experiment import chance_text
+    cells = [Cell(make_run_config("assoc_recall", "unforced", s), row="unforced") for s in (0, 1)]
+    n = cells[0].cfg.task.n_pairs
+    assert chance_text(cells) == f"chance: copy a random value\nof the context (1/{n})"
+    assert chance_text([Cell(make_run_config("markov", "unforced", 0), row="unforced")]) == \
+        "chance: the best guess that\nignores order (Markov.chance)"
+    assert chance_text(cells + [Cell(make_run_config("markov", "unforced", 0), row="unforced")]) is None
+    assert chance_text([Cell(make_run_config("linear_icl", "unforced", 0), row="unforced")]) is None
+    assert fade_row("markov").task == {"p": 0.5} and fade_row("assoc_recall").task == {} == fade_row("linear_icl").task

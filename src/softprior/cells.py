@@ -49,11 +49,7 @@ def length_view(cfg, model, name: str, length: int):
     the context's pairs as trained or filling the longer context."""
     if name not in LENGTH_VARIANTS:
         raise ValueError(f"unknown length reading {name!r}; one of {', '.join(LENGTH_VARIANTS)}")
-    t_cfg = cfg.task
-    if name == "pairs fill":
-        room = t_cfg.vocab - 1 - t_cfg.n_keys if t_cfg.keys == "replacement" else (t_cfg.vocab - 1) // 2
-        t_cfg = t_cfg.model_copy(update={"n_pairs": max(t_cfg.n_pairs, min(room, t_cfg.n_pairs * length
-                                                                           // cfg.model.n_ctx))})
+    t_cfg = cfg.task.filling(length, cfg.model.n_ctx) if name == "pairs fill" else cfg.task
     m_cfg = cfg.model.model_copy(update={"pos_beyond": "zero" if name == "no bias beyond" else "clip"})
     model.cfg = m_cfg
     for block in model.blocks:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["PaperRow", "SE_FLOOR", "MATCH_Z", "IDENTIFICATION", "TRAJECTORY", "ROWS", "tiers_spec", "rows_for",
-           "READS"]
+           "length_row", "READS"]
 
 SE_FLOOR = 0.02
 MATCH_Z = 2.0
@@ -158,6 +158,12 @@ TRAJECTORY: list[PaperRow] = [
 ]
 
 ROWS: list[PaperRow] = IDENTIFICATION + TRAJECTORY
+
+
+def length_row(task: str) -> PaperRow | None:
+    """The paper's length test of ``task`` (its identification row read at T = 120: associative recall's
+    soft_bias .263), or None where the paper has none."""
+    return next((r for r in IDENTIFICATION if r.task == task and r.read == "T=120"), None)
 
 
 def rows_for(task: str, tier: str = "identification", search_only: bool = False) -> list[PaperRow]:

@@ -107,33 +107,15 @@ def _contributions(model, cache, layer: int, query_pos) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ successor mass
 def answer_mask(task, batch) -> torch.Tensor:
-    """[B, T] bool: the context positions that hold the correct answer token.
-
-    - assoc_recall: the position of the target value v_i in the context (exactly one: values are
-      distinct and disjoint from keys; the final query position is excluded).
-    - markov: with a = the final token and s(a) = the target, every position j <= T-2 with
-      x_{j-1} = a and x_j = s(a), i.e. where the target sits right after an earlier occurrence of a
-      that is followed by s(a) (the generator guarantees at least one; when there are several the
-      successor mass sums over them).
-    - any other task: ``task.answer_mask(batch)`` if the task defines it.
-    """
-    if hasattr(task, "answer_mask"):
-        return task.answer_mask(batch).bool()
-    name = getattr(getattr(task, "cfg", None), "name", None)
-    x, y = batch.inputs, batch.targets
-    if name == "assoc_recall":
-        mask = x == y[:, None]
-        mask[:, -1] = False
-    elif name == "markov":
-        a = x[:, -1]
-        mask = torch.zeros_like(x, dtype=torch.bool)
-        mask[:, 1:-1] = (x[:, :-2] == a[:, None]) & (x[:, 1:-1] == y[:, None])
-    else:
-        raise ValueError(f"successor-value mass is defined for token-retrieval tasks (assoc_recall, markov) "
-                         f"or a task with an answer_mask(batch) method; got {name or type(task).__name__}")
-    if not mask.any(1).all():
-        raise ValueError("some sequences do not contain the answer token in context")
-    return mask
+    """[B, T] bool: the context positions that hold the correct answer token, as the task's generator
+    states them (``Task.answer_mask``: associative recall's target value, Markov's successor after an
+    earlier occurrence of the final token). ValueError for a task without an answer position (linear
+    ICL, a plugin task that defines no ``answer_mask``)."""
+    mask_of = getattr(task, "answer_mask", None)
+    if mask_of is None:
+        raise ValueError(f"successor-value mass needs a task whose generator defines answer_mask(batch); "
+                         f"got {type(task).__name__}")
+    return mask_of(batch).bool()
 
 
 def successor_value_mass(model: SoftPriorTransformer, batch, task, gate_pos=0.0, gate_content=0.0,

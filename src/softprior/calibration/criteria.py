@@ -182,13 +182,18 @@ def effect_criteria(task: str) -> list[Criterion]:
     """An exploratory search for where the trajectory effect lives (never a calibration): the hard
     constraint that the unforced model relies on its prior (zero gate <= .15 on every seed, the paper's
     .100), and the rows the effect reads (``trajectory_effect``), declared as always-holding bounds."""
-    if task != "assoc_recall":
-        raise ValueError(f"an effect search is declared for assoc_recall only, not {task!r}")
-    reads = [Criterion(name=f"{p} zero", row=_row(p), gates="zero", lo=0.0) for p in EFFECT_PATHS]
-    return [Criterion(name="unforced zero per seed", row=_U, gates="zero", stat="each", hi=0.15)] + reads
+    if task not in EFFECT:
+        raise ValueError(f"an effect search is declared for {', '.join(EFFECT)} only, not {task!r}")
+    return list(EFFECT[task])
 
 
 EFFECT_PATHS = ("fade600", "forced_zero", "hard_switch600")
+# the effect searches declared (``effect_criteria``), by task: on associative recall, the paper's .100 read as
+# the unforced model relying on its prior, and the rows ``trajectory_effect`` reads
+EFFECT: dict[str, list[Criterion]] = {
+    "assoc_recall": [Criterion(name="unforced zero per seed", row=_U, gates="zero", stat="each", hi=0.15)]
+    + [Criterion(name=f"{p} zero", row=_row(p), gates="zero", lo=0.0) for p in EFFECT_PATHS],
+}
 
 
 def trajectory_effect(means: dict) -> float:

@@ -243,8 +243,9 @@ def length_reading(space, store, members, seeds: int = 3, steps=None) -> dict:
 
 def _reading(space, per: list) -> dict:
     """``length_reading`` from the members' ``length_means`` (None where nothing is stored)."""
-    from ..tiers import IDENTIFICATION
-    paper = next((r.paper for r in IDENTIFICATION if r.task == space.task and r.read == "T=120"), None)
+    from ..tiers import length_row
+    row = length_row(space.task)
+    paper = row.paper if row is not None else None
     per = [m for m in per if m] if paper is not None else []
     if not per:
         return {}

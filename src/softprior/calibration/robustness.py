@@ -62,7 +62,11 @@ def prediction_rows(task: str, identify: bool = False, wide: bool = False) -> li
 
 
 def fade_row(task: str) -> Row:
-    return Row(path="fade600", task={"p": 0.5}) if task == "markov" else Row(path="fade600")
+    """The fade600 row that stands for a configuration of ``task`` (its fade point): at the task's
+    ``Task.row_options`` (Markov: p = .5; none by default)."""
+    from ..tasks.registry import task_spec
+    options = task_spec(task).task_class().row_options
+    return Row(path="fade600", task=dict(options)) if options else Row(path="fade600")
 
 
 def mapped(space, cands, limit: int = 10):

@@ -26,8 +26,10 @@ def cmd_paths(args) -> int:
 
 def cmd_tasks(args) -> int:
     """Each task, its options and the Bayes ceiling of its registered default (closed form, no torch);
-    ``--ceilings``: every default's ceiling or references measured (Monte Carlo where there is no
-    closed form: Markov at each p, linear ICL's least squares, Bayes ridge and one GD step)."""
+    ``--ceilings``: every default's ceiling or references measured, as its generator states them
+    (``Task.ceiling_text`` at each of its ``ceiling_options``: Monte Carlo where there is no closed form,
+    Markov at each p; linear ICL's least squares, Bayes ridge and one GD step; a task without a
+    ``bayes_accuracy`` says so)."""
     from ..plugins import load_plugin
     from ..preregistration import default_options
     from ..tasks.registry import TASK_CONFIGS, describe_tasks
@@ -37,22 +39,13 @@ def cmd_tasks(args) -> int:
     _print_rows(describe_tasks(defaults))
     if not args.ceilings:
         return 0
-    import torch
-
     from ..tasks.generators import make_task
-    from ..tasks.registry import task_config
+    from ..tasks.registry import task_config, task_spec
     print("\nmeasured on the registered defaults (Monte Carlo: seed 0, standard error beside):")
     for name, opts in defaults.items():
-        if name == "linear_icl":
-            task = make_task(task_config(name, **opts))
-            ref = task.reference_mse(task.sample(4096, 32, torch.Generator().manual_seed(0)))
-            print(f"  {name}: query MSE / E[y^2]: " + ", ".join(f"{k} {v:.4f}" for k, v in ref.items())
-                  + " (the zero predictor: 1.0)")
-            continue
-        for p in ((0.2, 0.5, 0.8) if name == "markov" else (None,)):
-            task = make_task(task_config(name, **opts, **({"p": p} if p is not None else {})))
-            acc, se = task.bayes_accuracy()
-            print(f"  {name}{f' p={p}' if p is not None else ''}: Bayes ceiling {acc:.3f}" + (f" ± {se:.3f}" if se else ""))
+        for extra in task_spec(name).task_class().ceiling_options:
+            task = make_task(task_config(name, **opts, **extra))
+            print(f"  {name}" + "".join(f" {k}={v}" for k, v in extra.items()) + f": {task.ceiling_text()}")
     return 0
 
 

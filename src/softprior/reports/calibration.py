@@ -65,7 +65,7 @@ def candidate_reference(space, c) -> str:
             cfg = candidate_configs(space, c.task_options, c.model_options, [0])[0][2]
             task = make_task(cfg.task)
             r = task.reference_mse(task.sample(2048, cfg.model.n_ctx, torch.Generator().manual_seed(0)))
-            return f"{r['least_squares']:.3f} / {r['bayes']:.3f} / {r['gd_step']:.3f}"
+            return " / ".join(f"{v:.3f}" for v in r.values())
         vals = [ceiling(space, c.task_options, c.model_options, r)[0] for r in space.rows()
                 if r.path == "unforced"]
         return " / ".join(f"{v:.3f}" for v in dict.fromkeys(vals))

@@ -12,6 +12,7 @@ from ..calibration.register import make_record
 from ..calibration.robustness import claim_counts, mapped, prediction_rows
 from ..calibration.search import candidate_configs
 from ..preregistration import CalibrationMissing, calibration_key
+from ..tiers import length_row
 from .calibration import candidates_table, choose, criteria_text, formation_by_axis
 
 __all__ = ["register", "update_doc", "write_calibration"]
@@ -193,7 +194,7 @@ def update_doc(doc, space, store, cands, *, steps=None, figure=None) -> dict[str
         from ..calibration.robustness import sensitivity_block
         blocks["sensitivity"] = sensitivity_block(space, store, cands, steps=steps)
         splice_into_doc(doc, f"sensitivity-{space.name}", blocks["sensitivity"])
-        if space.task == "assoc_recall":
+        if length_row(space.task) is not None:  # the paper's length test of the task (associative recall's)
             from ..calibration.identify import length_block
             splice_into_doc(doc, f"length-{space.name}", length_block(space, store, cands, steps=steps))
     return blocks

@@ -243,15 +243,14 @@ def floor_levels(store: RunStore, cells: list[Cell]) -> dict[tuple[str, str], fl
 
 
 def chance_text(cells: list[Cell]) -> str | None:
-    """What the chance line of ``cells``' tasks is, in words (None: several kinds of task)."""
+    """What the chance line of ``cells``' tasks is, in words, as their generator says it
+    (``Task.chance_text``; None: several kinds of task, or a task that does not say)."""
+    from ..tasks.registry import task_spec
     tasks = {c.cfg.task for c in cells}
     names = {t.name for t in tasks}
-    if names == {"assoc_recall"}:
-        pairs = {t.n_pairs for t in tasks}
-        return "chance: copy a random value\nof the context" + (f" (1/{next(iter(pairs))})" if len(pairs) == 1 else "")
-    if names == {"markov"}:
-        return "chance: the best guess that\nignores order (Markov.chance)"
-    return None
+    if len(names) != 1:
+        return None
+    return task_spec(next(iter(names))).task_class().chance_text(tasks)
 
 
 def paper_values(paper: dict | None) -> dict[tuple[str, str], float]:

@@ -97,10 +97,25 @@ class Batch:
 
 
 class Task:
-    """Common interface. ``metric`` is 'acc' (higher is better) or 'mse' (lower is better)."""
+    """Common interface. ``metric`` is 'acc' (higher is better) or 'mse' (lower is better).
+
+    What the rest of the package asks of a task beyond its batches, loss and metric lives here too, each
+    with a default, so that a plugin task may leave it out: ``answer_mask`` (the context positions that
+    hold the answer: the mechanism trace's successor-value mass; by default none, and the trace leaves
+    that measure out), ``chance_text`` (the figures' chance line in words; by default none),
+    ``ceiling_text`` and ``ceiling_options`` (what ``softprior tasks --ceilings`` prints: the Bayes
+    ceiling where the task defines ``bayes_accuracy``) and ``row_options`` (the task options of the one
+    row that stands for a configuration, the calibration's fade point: ``calibration.robustness.fade_row``).
+    ``bayes_accuracy`` and ``reference_mse`` have no default: a task without them has no ceiling and no
+    references, and the callers check for them."""
 
     metric: str
     input_kind: str  # "tokens" or "vectors"
+    # the task options ``softprior tasks --ceilings`` measures a registered default at, one line each
+    ceiling_options: tuple[dict, ...] = ({},)
+    # the task options of the row that stands for a configuration where the paper reads the task in
+    # several settings (``calibration.robustness.fade_row``)
+    row_options: dict = {}
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -131,6 +146,32 @@ class Task:
     def chance_at(self, length: int) -> float:
         """The chance level for sequences of ``length`` (the same at every length unless overridden)."""
         return self.chance
+
+    def answer_mask(self, batch: Batch) -> torch.Tensor:
+        """[B, T] bool: the context positions that hold the correct answer token (``analysis.mechanism.
+        answer_mask``). ValueError where the task has no answer position (the default; linear ICL)."""
+        raise ValueError(f"successor-value mass needs a task whose generator defines answer_mask(batch) "
+                         f"(the positions holding the answer); {type(self).__name__} does not")
+
+    @classmethod
+    def chance_text(cls, configs) -> str | None:
+        """The chance line of a figure of this task's ``configs`` in words (None: not said; the default)."""
+        return None
+
+    def ceiling_text(self) -> str:
+        """What ``softprior tasks --ceilings`` says of this config: its Bayes ceiling (``bayes_accuracy``),
+        with the standard error where that is a Monte Carlo estimate."""
+        if not hasattr(self, "bayes_accuracy"):
+            return "no Bayes ceiling (the task defines no bayes_accuracy)"
+        acc, se = self.bayes_accuracy()
+        return f"Bayes ceiling {acc:.3f}" + (f" ± {se:.3f}" if se else "")
+
+
+def _answer_in_context(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` (an ``answer_mask``), refused where some sequence does not hold its answer in context."""
+    if not mask.any(1).all():
+        raise ValueError("some sequences do not contain the answer token in context")
+    return mask
 
 
 class _TokenTask(Task):
@@ -236,6 +277,19 @@ class AssocRecall(_TokenTask):
         """Copying a random value from the context: 1 / n_pairs (the values are distinct)."""
         return 1.0 / self.cfg.n_pairs
 
+    def answer_mask(self, batch: Batch) -> torch.Tensor:
+        """The position of the target value v_i in the context (exactly one: values are distinct and
+        disjoint from keys; the final query position is excluded)."""
+        mask = batch.inputs == batch.targets[:, None]
+        mask[:, -1] = False
+        return _answer_in_context(mask)
+
+    @classmethod
+    def chance_text(cls, configs) -> str | None:
+        """Copying a random value of the context (1 / n_pairs, where the configs agree on n_pairs)."""
+        pairs = {c.n_pairs for c in configs}
+        return "chance: copy a random value\nof the context" + (f" (1/{next(iter(pairs))})" if len(pairs) == 1 else "")
+
     def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """out: [B, P, V] at ``loss_positions``; targets [B] (one query) or [B, Q]."""
         if targets.dim() == 1:
@@ -250,6 +304,9 @@ class AssocRecall(_TokenTask):
 
 
 class Markov(_TokenTask):
+    ceiling_options = ({"p": 0.2}, {"p": 0.5}, {"p": 0.8})  # the paper's three repeat probabilities (Sec. 4.3)
+    row_options = {"p": 0.5}  # the middle one
+
     def min_length(self) -> int:
         return 4
 
@@ -389,6 +446,21 @@ class Markov(_TokenTask):
         """``chance_at(32)``, the base length."""
         return self.chance_at(32)
 
+    def answer_mask(self, batch: Batch) -> torch.Tensor:
+        """With a = the final token and s(a) = the target, every position j <= T-2 with x_{j-1} = a and
+        x_j = s(a), i.e. where the target sits right after an earlier occurrence of a that is followed by
+        s(a) (the generator guarantees at least one; when there are several the successor mass sums over
+        them)."""
+        x, y = batch.inputs, batch.targets
+        a = x[:, -1]
+        mask = torch.zeros_like(x, dtype=torch.bool)
+        mask[:, 1:-1] = (x[:, :-2] == a[:, None]) & (x[:, 1:-1] == y[:, None])
+        return _answer_in_context(mask)
+
+    @classmethod
+    def chance_text(cls, configs) -> str | None:
+        return "chance: the best guess that\nignores order (Markov.chance)"
+
 
 @lru_cache(maxsize=256)
 def _successor_ceiling(cfg: MarkovConfig, n: int, seed: int) -> tuple[float, float]:
@@ -501,6 +573,12 @@ class LinearICL(Task):
         eta = float((a * yq).sum() / (a * a).sum())
         out["gd_step"] = float((eta * a - yq).pow(2).mean() / self.cfg.y_var)
         return out
+
+    def ceiling_text(self) -> str:
+        """The references (``reference_mse``) on 4,096 sequences of length 32 from seed 0."""
+        ref = self.reference_mse(self.sample(4096, 32, torch.Generator().manual_seed(0)))
+        return ("query MSE / E[y^2]: " + ", ".join(f"{k} {v:.4f}" for k, v in ref.items())
+                + " (the zero predictor: 1.0)")
 
     @staticmethod
     def least_squares_mse(batch: Batch, d: int) -> float:

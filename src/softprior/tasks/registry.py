@@ -20,8 +20,10 @@ or task"). An entry carries
   .toml / .json file); None for the built-ins, whose spaces ship in ``calibration/spaces/<name>.toml``;
 - ``axes``: the config fields a search may vary (None: every field but ``name``);
 
-(The mechanism trace's successor-value mass reads a generator's ``answer_mask(batch) -> [B, T] bool``,
-the context position(s) holding the answer, where it defines one: ``analysis.answer_mask``.)
+(What the rest of the package asks of a task beyond its batches lives on its generator, each part with a
+default a plugin may keep: ``answer_mask``, ``chance_text``, ``ceiling_text``, ``ceiling_options``,
+``row_options``; ``tasks.generators.Task`` says what each is for. On the config, ``filling``: the context
+filled with pairs, the length reading "pairs fill" of ``cells.length_view``; by default the config as it is.)
 
 Adding a task is one file: a config (subclass ``TaskConfigBase``), a generator (subclass
 ``tasks.Task``) and a ``register_task`` call, loaded with ``--plugin FILE`` (``softprior.plugins``).
@@ -55,6 +57,11 @@ class TaskConfigBase(BaseModel):
 
     def __reduce__(self):
         return _rebuild_task, (self.name, self.model_dump(mode="json"))
+
+    def filling(self, length: int, n_ctx: int) -> "TaskConfigBase":
+        """The config whose context fills ``length`` as MQAR's does, for a model trained at ``n_ctx``
+        (``cells.length_view``'s "pairs fill"): a task without pairs keeps its config (the default)."""
+        return self
 
 
 def _rebuild_task(name: str, data: dict):
@@ -108,6 +115,12 @@ class AssocRecallConfig(_TaskBase):
             raise ValueError(f"n_queries={self.n_queries} must be <= n_pairs={self.n_pairs}")
         return self
 
+
+    def filling(self, length: int, n_ctx: int) -> "AssocRecallConfig":
+        """More pairs in a longer context, as in MQAR: n_pairs x length / n_ctx, at most as many as there
+        are values to draw (vocab - 1 - n_keys with keys drawn with replacement, else (vocab - 1) // 2)."""
+        room = self.vocab - 1 - self.n_keys if self.keys == "replacement" else (self.vocab - 1) // 2
+        return self.model_copy(update={"n_pairs": max(self.n_pairs, min(room, self.n_pairs * length // n_ctx))})
 
     def ceiling(self) -> float:
         """The Bayes ceiling of the final query (derivation: ``tasks.AssocRecall.bayes_accuracy``):
