@@ -6,7 +6,7 @@ processes hits both alike.
     python benchmarks/contextual_fastpath.py [reps] [steps] [schemes] [tasks] [Ks] > table.md
 
 Defaults: 3 reps x 20 steps per mode, cope,dape,gpsa, assoc_recall,markov, K = 1,4. A step is
-``train.Runs.step`` (batch sampling, forward, loss, backward, clipping, AdamW) of K runs of the
+``loop.Runs.step`` (batch sampling, forward, loss, backward, clipping, AdamW) of K runs of the
 paper's configuration for that baseline (the calibrated defaults), one torch thread, inside the
 training settings (``prepare_training``: the allocator). Each mode's figure is its
 fastest block (the least disturbed by other load), in ms per run-step. A third mode, NoPE on the

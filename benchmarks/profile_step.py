@@ -3,7 +3,7 @@
     python benchmarks/profile_step.py [THREADS] [STEPS] > profile.md
 
 For K = 1 (a single run) and K = 8 (a group), base model, batch 64, T = 32, assoc recall, unforced:
-the step of ``train.Runs`` (what ``train`` and ``engine.train_group`` run), timed over STEPS steps
+the step of ``loop.Runs`` (what ``train`` and ``engine.train_group`` run), timed over STEPS steps
 (default 40, after 10 warm-ups) and then profiled over the same number. Prints per K the ms per
 run-step, the achieved GFLOP/s (``flops.train_step_flops``: what the fast path computes), its
 fraction of the machine's fp32 GEMM rate at the same thread count (``flops.gemm_rate``), and the

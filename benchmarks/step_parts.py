@@ -1,4 +1,4 @@
-"""Where a training step's time goes, part by part: ``train.Runs.step`` over K associative-recall runs,
+"""Where a training step's time goes, part by part: ``loop.Runs.step`` over K associative-recall runs,
 each part timed in place (``time.perf_counter`` around the callables the step calls: the data draw,
 the gates, the forward, the loss, zeroing, the backward, clipping, AdamW), the rest of the step left as
 "other". docs/PERFORMANCE.md, section 6, quotes it.

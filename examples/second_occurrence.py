@@ -7,7 +7,7 @@ Tokens are uniform over 1..vocab-1; the final token a is planted at two more pos
 at least twice with a follower). Plain induction (the follower of the most recent occurrence) is the
 wrong answer unless both followers agree; the position prior has to help the model count back one
 occurrence further. The answer is a function of the context, so the Bayes ceiling is 1.0. The chance
-level is the best order-free guess (Monte Carlo, as ``tasks.Markov.chance_at``): a uniform pick among
+level is the best order-free guess (Monte Carlo, as ``tasks.generators.Markov.chance_at``): a uniform pick among
 the distinct tokens in the context, or its most frequent token, whichever scores more.
 
     softprior study --plugin examples/second_occurrence.py --task second_occurrence --prior soft --quick

@@ -111,7 +111,7 @@ def state_dicts_equal(a: dict, b: dict) -> bool:
 
 
 def patch_train(monkeypatch, fn):
-    """Replace ``softprior.training.loop.train`` with ``fn`` wherever the runner machinery looks it up
+    """Replace ``softprior.training.loop.train`` with ``fn`` wherever the sweep machinery (``executors``) looks it up
     (the module attribute, and names bound by ``from .train import train``). Returns the original."""
     import importlib
 
@@ -129,7 +129,7 @@ def patch_train(monkeypatch, fn):
 
 @pytest.fixture
 def train_calls(monkeypatch):
-    """Count the trainings the runner starts; records ``(cfg, kwargs)`` per call."""
+    """Count the trainings the sweep driver starts; records ``(cfg, kwargs)`` per call."""
     calls = []
     orig = None
 

@@ -256,7 +256,7 @@ def test_trace_and_summary(recall):
                           task_options=dict(n_pairs=8, n_keys=15), n_val=128)
     hand = hand_recall_model().state_dict()
     rand = SoftPriorTransformer(recall_cfg()).state_dict()
-    # a single run's checkpoint tensors too (train.checkpoint: "model." keys, a run dimension of 1)
+    # a single run's checkpoint tensors too (loop.checkpoint: "model." keys, a run dimension of 1)
     snaps = [(0, rand), (300, {f"model.{k}": v[None] for k, v in hand.items()})]
     df = A.trace(snaps, cfg, gates=GATES)
     assert list(df.columns) == ["step", "layer", "head", "successor_mass", "ablation_importance", "base_score"]

@@ -2,7 +2,7 @@
 
 ``SINGLE`` holds, for the base and large presets, all three tasks and four paths that exercise
 every per-step rule (learned gates, a scheduled gate, prior dropout, the dual loss), a digest of
-each run's final weights and logged metric rows, trained by ``train.train`` with tiny step counts;
+each run's final weights and logged metric rows, trained by ``loop.train`` with tiny step counts;
 the test also trains the four paths in one group (``engine.train_group``) and holds each to the same
 digest (a run's numbers depend on its config alone; until then a group had digests of its own).
 
@@ -43,7 +43,7 @@ KW = dict(steps=4, eval_every=2, n_val=16, batch_size=8, calibrated=False)  # th
 PATHS = ["unforced", "prior_dropout", "dual_loss", "linear0.5->0"]
 
 
-# ``train.train`` is now ``train.train_runs`` with K = 1 (issue 15, "one training step"), so a single
+# ``loop.train`` is now ``loop.train_runs`` with K = 1 (issue 15, "one training step"), so a single
 # run takes the grouped engine's clipping, dual-loss graph and evaluation reductions, and its bits
 # changed once: these digests were recorded at 1b0743b, with that change (the group digests, recorded
 # separately then, did not move).
@@ -372,7 +372,7 @@ def test_the_first_batches_of_each_data_stream_are_pinned(task):
     from softprior.tasks.generators import make_task
     from softprior.training.loop import seeded_generator
     cfg = _pin_config(task)
-    gen = seeded_generator(cfg.seed, 0)  # stream 0: the training data (train.Runs)
+    gen = seeded_generator(cfg.seed, 0)  # stream 0: the training data (loop.Runs)
     batches = [make_task(cfg.task).sample(2, cfg.model.n_ctx, gen) for _ in range(2)]
     want = PINNED_STREAMS[task]
     if task == "assoc_recall":

@@ -142,7 +142,7 @@ def test_a_model_without_prior_trains_at_zero_gates_in_a_group_as_alone():
 def test_static_and_gated_baselines_in_a_group_match_runs_alone(baseline):
     """The fast path with a rotation (rope), a learned static bias (kerple), gates (soft_* baselines)
     and a contextual scheme (cope, dape, gpsa: the scheme vmapped over the group's runs, called once
-    per run alone) takes its per-step gates from the same rules as train.train (train.step_gates),
+    per run alone) takes its per-step gates from the same rules as loop.train (loop.step_gates),
     and a run trained in a group matches it trained alone.
 
     DAPE's MLP biases are compared to lr x steps only: the output bias adds a constant to every logit

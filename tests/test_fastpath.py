@@ -1,4 +1,4 @@
-"""The fused, run-stacked forward (fastpath.py) against the readable model (model.py): same
+"""The fused, run-stacked forward (model/fastpath.py) against the readable model (model/transformer.py): same
 logits and same gradients, to 1e-5, on random weights, for several runs stacked at once.
 
 Computed in float64 so that 1e-5 tests the algebra, not float32 rounding (the re-associations

@@ -1,4 +1,4 @@
-"""The whole-step operator (kernels/step.py, step.cpp) against the readable model (``model.py``):
+"""The whole-step operator (kernels/step.py, step.cpp) against the readable model (``model/transformer.py``):
 logits and every gradient in float64 (layer 0 on vocabulary pairs and on rows, middle layers, several
 loss positions, several runs, learned and forced gates, no content factors), gradcheck on a tiny
 model, a run's bits alone and in a group and at one thread and two, where it applies, and the switch

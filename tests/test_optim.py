@@ -1,4 +1,4 @@
-"""The optimiser training uses (``train.make_optimizer``): torch's AdamW, checked against one step
+"""The optimiser training uses (``loop.make_optimizer``): torch's AdamW, checked against one step
 worked by hand, and its non-fused fallback where the fused kernel has no implementation."""
 
 import pytest
@@ -10,7 +10,7 @@ from conftest import tiny_config
 
 
 def _one_step(cfg):
-    """One step from zero state on a decayed matrix and an undecayed bias (``train.is_decayed``)."""
+    """One step from zero state on a decayed matrix and an undecayed bias (``loop.is_decayed``)."""
     w = torch.tensor([1.0, -2.0], requires_grad=True)
     b = torch.tensor([0.5, 3.0], requires_grad=True)
     opt = make_optimizer([("blocks.0.attn.in_proj.weight", w), ("blocks.0.ln.bias", b)], cfg)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import softprior.executors.sweep as runner_mod
+import softprior.executors.sweep as sweep_mod
 from conftest import patch_train, state_dicts_equal, tiny_config
 from softprior.paths import GateConfig, PathConfig
 from softprior.schedules import Fade
@@ -93,7 +93,7 @@ def test_files_are_safetensors_and_json(done_run, no_pickle):
 
 def test_load_results_dataframe(store):
     cfgs = [tiny_config(seed=0), tiny_config(seed=1), tiny_config(path="forced_zero")]
-    summaries = [runner_mod.run(c, store) for c in cfgs]
+    summaries = [sweep_mod.run(c, store) for c in cfgs]
     df = load_results(store)
     assert isinstance(df, pd.DataFrame)
     assert len(df) == 3
@@ -115,20 +115,20 @@ def test_load_results_empty_store(store):
 # ------------------------------------------------------------------ caching
 def test_done_run_is_not_retrained(store, train_calls):
     cfg = tiny_config()
-    first = runner_mod.run(cfg, store)
-    second = runner_mod.run(cfg, store)
+    first = sweep_mod.run(cfg, store)
+    second = sweep_mod.run(cfg, store)
     assert len(train_calls) == 1
     assert second == first
     # a new store object on the same directory sees it too
-    runner_mod.run(cfg, RunStore(store.root))
+    sweep_mod.run(cfg, RunStore(store.root))
     assert len(train_calls) == 1
 
 
 def test_non_semantic_fields_share_the_run(store, train_calls):
-    runner_mod.run(tiny_config(label="first"), store)
-    runner_mod.run(tiny_config(label="second", checkpoint_every=5), store)
+    sweep_mod.run(tiny_config(label="first"), store)
+    sweep_mod.run(tiny_config(label="second", checkpoint_every=5), store)
     assert len(train_calls) == 1
-    runner_mod.run(tiny_config(seed=1), store)
+    sweep_mod.run(tiny_config(seed=1), store)
     assert len(train_calls) == 2
 
 
@@ -140,12 +140,12 @@ def test_failed_run_is_recorded_and_retried(store, monkeypatch):
 
     patch_train(monkeypatch, broken)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        runner_mod.run(cfg, store)
+        sweep_mod.run(cfg, store)
     assert store.status(cfg.run_id) == "failed"
     with pytest.raises(RunNotFoundError):
         store.summary(cfg.run_id)
     monkeypatch.undo()
-    runner_mod.run(cfg, store)
+    sweep_mod.run(cfg, store)
     assert store.is_done(cfg.run_id)
 
 
@@ -166,7 +166,7 @@ def test_claim_of_a_dead_local_process_is_taken_over(store, train_calls):
     dead = RunStore(store.root)
     dead.owner = f"{socket.gethostname()}:{p.pid}"  # a process of this host that has exited
     assert dead.claim(cfg)
-    runner_mod.run(cfg, store)
+    sweep_mod.run(cfg, store)
     assert store.is_done(cfg.run_id) and len(train_calls) == 1
 
 
@@ -367,7 +367,7 @@ def test_checkpoint_round_trips_through_store(store):
     assert state_dicts_equal(resumed.state_dict, full.state_dict)
 
 
-def test_runner_resumes_a_killed_run(tmp_path, train_calls):
+def test_the_sweep_driver_resumes_a_killed_run(tmp_path, train_calls):
     cfg = tiny_config(eval_every=4, checkpoint_every=10)
     ref_store = RunStore(tmp_path / "ref")
     ckpts = []
@@ -377,14 +377,14 @@ def test_runner_resumes_a_killed_run(tmp_path, train_calls):
     st = RunStore(tmp_path / "killed")
     assert st.claim(cfg)
     st.save_checkpoint(cfg.run_id, ckpts[0])
-    runner_mod.run(cfg, st)
+    sweep_mod.run(cfg, st)
     (resume_cfg, kw), = train_calls
     assert kw["resume"] is not None and kw["resume"]["meta"]["step"] == 10
     assert st.metrics(cfg.run_id) == full.metrics
     assert state_dicts_equal(st.load_state(cfg.run_id), full.state_dict)
     assert not (st.run_dir(cfg.run_id) / "checkpoint.safetensors").exists()
-    # and an uninterrupted run through the runner writes checkpoints and gets the same numbers
-    runner_mod.run(cfg, ref_store)
+    # and an uninterrupted run through the sweep driver writes checkpoints and gets the same numbers
+    sweep_mod.run(cfg, ref_store)
     assert ref_store.metrics(cfg.run_id) == full.metrics
 
 
@@ -395,7 +395,7 @@ def test_corrupt_checkpoint_restarts_from_scratch(store, train_calls):
     d = store.run_dir(cfg.run_id)
     d.mkdir(parents=True, exist_ok=True)
     (d / "checkpoint.safetensors").write_bytes(b"\x00" * 100)
-    runner_mod.run(cfg, store)
+    sweep_mod.run(cfg, store)
     assert train_calls[0][1]["resume"] is None
     assert state_dicts_equal(store.load_state(cfg.run_id), full.state_dict)
 
@@ -449,7 +449,7 @@ def test_a_sweep_heartbeats_every_claim_it_holds(tmp_path):
 
 
 def test_an_older_single_run_checkpoint_restarts_the_run_without_its_snapshots(store):
-    # before train.train was the K = 1 loop, a single run's checkpoint had no run ids: such a file (and
+    # before loop.train was the K = 1 loop, a single run's checkpoint had no run ids: such a file (and
     # the snapshots it kept) is dropped and the run starts again, rather than mixing two loops' weights
     from safetensors.torch import save_file
     cfg = tiny_config()

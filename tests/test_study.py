@@ -1,4 +1,4 @@
-"""``softprior study`` and the two registries it rests on (src/softprior/study.py, priors.py, the task
+"""``softprior study`` and the two registries it rests on (src/softprior/study.py, model/priors.py, the task
 registry in tasks/registry.py, plugins.py), with the two worked examples of examples/, end to end at a
 tiny size."""
 

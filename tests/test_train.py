@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import softprior.executors.sweep as runner_mod
+import softprior.executors.sweep as sweep_mod
 from conftest import state_dicts_equal, tiny_config
 from softprior.paths import GateConfig, PathConfig, get_path
 from softprior.schedules import Fade, HardSwitch
@@ -280,14 +280,14 @@ def _tiny_posthoc(steps=6):
     return get_path("posthoc").model_copy(update={"steps": steps})  # instead of 2,550 continuation steps
 
 
-def test_posthoc_trains_parent_first_via_runner(store, train_calls):
+def test_posthoc_trains_parent_first_via_the_sweep_driver(store, train_calls):
     calls = train_calls
     cfg = tiny_config(path=_tiny_posthoc())
     parent_cfg = cfg.parent()
     assert parent_cfg.path.name == "unforced" and parent_cfg.total_steps == 20
     assert parent_cfg.path.pos.mode == parent_cfg.path.content.mode == "learned"
 
-    summary = runner_mod.run(cfg, store)
+    summary = sweep_mod.run(cfg, store)
     assert [c[0].run_id for c in calls] == [parent_cfg.run_id, cfg.run_id]
     assert calls[0][1].get("init_state") is None
     parent_state = store.load_state(parent_cfg.run_id)
@@ -301,7 +301,7 @@ def test_posthoc_trains_parent_first_via_runner(store, train_calls):
     plain = train(tiny_config(path="unforced"))
     assert state_dicts_equal(parent_state, plain.state_dict)
 
-    runner_mod.run(cfg, store)  # fully cached the second time
+    sweep_mod.run(cfg, store)  # fully cached the second time
     assert len(calls) == 2
 
 
@@ -310,10 +310,10 @@ def test_posthoc_trains_parent_first_via_runner(store, train_calls):
 # is hashed into run_id, so posthoc retrains a duplicate unforced run instead of reusing it
 def test_posthoc_reuses_the_unforced_run(store, train_calls):
     calls = train_calls
-    runner_mod.run(tiny_config(path="unforced"), store)
+    sweep_mod.run(tiny_config(path="unforced"), store)
     cfg = tiny_config(path=_tiny_posthoc(4))
     assert cfg.parent().run_id == tiny_config(path="unforced").run_id
-    runner_mod.run(cfg, store)
+    sweep_mod.run(cfg, store)
     assert [c[0].path.name for c in calls] == ["unforced", "posthoc"]
 
 

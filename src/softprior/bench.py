@@ -22,7 +22,7 @@ __all__ = ["run_bench", "run_engines", "engine_table"]
 
 
 def _our_step(cfg):
-    """One training step of ``train.train`` (its ``Runs.step``, K = 1), as a callable."""
+    """One training step of ``loop.train`` (its ``Runs.step``, K = 1), as a callable."""
     from .training.loop import Runs
     runs = Runs([cfg])
     return lambda: runs.step(0)
@@ -194,7 +194,7 @@ def _run_bench(quick: bool, group_size: int, log, settings: dict) -> dict:
 
 
 def _runs_step(cfgs):
-    """One training step of ``train.Runs`` over ``cfgs`` (K = len(cfgs) runs at once), as a callable."""
+    """One training step of ``loop.Runs`` over ``cfgs`` (K = len(cfgs) runs at once), as a callable."""
     from .training.loop import Runs
     runs = Runs(cfgs)
     return lambda: runs.step(0)
@@ -234,7 +234,7 @@ def engine_table(ref_mod, models=("base", "large"), ks=(1, 8), thread_counts=(1,
     """The fused engine (the whole-step operator where it applies, the attention operator elsewhere)
     against the attention operator alone, the engine without either (the pure-PyTorch path,
     ``fastpath._Attention``) and the plain reference (``softprior/reference.py`` at the same size), per
-    model preset, thread count and K: ms per run-step of one training step (``train.Runs.step`` over K
+    model preset, thread count and K: ms per run-step of one training step (``loop.Runs.step`` over K
     associative-recall runs; the reference trains one run, and K sequential runs cost K times one), the
     four alternating so that machine noise hits all, medians of ``reps`` samples; and the fused step's
     fraction of the GEMM rate at that thread count (model FLOP per run-step, ``flops.train_step_flops``,

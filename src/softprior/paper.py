@@ -462,8 +462,8 @@ def paper_cells(opts, names=None):
 
 
 # the paper's tables on another pre-registered configuration (``reproduce paper --record NAME``): the
-# paper's experiments without the continuation trace, whose tangent solves (12.9 s a snapshot, 13 a run)
-# cost more than the runs it reads
+# paper's experiments without the continuation trace, whose tangent solves (docs/PERFORMANCE.md, section 4,
+# "Continuation traces on both cores") cost more than the runs it reads
 ON_RECORD = [n for n in PAPER if n != "continuation_trace"] + ["markov_controls", "large_controls"]  # ours: controls
 
 

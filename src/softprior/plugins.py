@@ -1,5 +1,5 @@
 """Plugin files: a user's Python file, passed as ``--plugin FILE``, that registers experiments, paths,
-tasks (``softprior.task_registry.register_task``) or priors (``softprior.model.priors.register_prior``).
+tasks (``softprior.tasks.registry.register_task``) or priors (``softprior.model.priors.register_prior``).
 
 ``load_plugin`` runs the file once per process (a second load of the same file is a no-op, so a
 registration is never repeated) and notes it in the environment variable ``SOFTPRIOR_PLUGINS``. The

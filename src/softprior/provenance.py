@@ -30,7 +30,7 @@ def provenance() -> dict:
     process has not run it (``kernels.attention_backend(build=False)``: recording it never builds).
     ``isa``: the vector instructions the kernels were built for and ATen dispatches to
     (``kernels.isa()``): the same code rounds differently on another ISA. Which engine trained a run
-    (``engine``, ``step_operator``) is the run's own, recorded per run by ``train.run_summary``: a
+    (``engine``, ``step_operator``) is the run's own, recorded per run by ``loop.run_summary``: a
     process-wide flag said the operator ran for a run that fell back beside one that used it."""
     import torch
 

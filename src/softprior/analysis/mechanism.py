@@ -239,7 +239,7 @@ def induction_score(model: SoftPriorTransformer, inputs: torch.Tensor | None = N
 # ------------------------------------------------------------------------------------ traces
 def _strip_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Accept plain model state dicts and a single run's checkpoint tensors (``model.`` prefix, each
-    stacked on a run dimension of 1 by ``train.checkpoint``)."""
+    stacked on a run dimension of 1 by ``loop.checkpoint``)."""
     if any(k.startswith("model.") for k in sd):
         w = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
         if any(v.dim() == 0 or v.shape[0] != 1 for v in w.values()):

@@ -139,8 +139,8 @@ def continuation_report(store: RunStore, cells: list[Cell], out: Path, n_example
     "inconclusive" (``continuation_claims_table``, ``_continuation_verdict``).
 
     ``threads``: torch threads for the measurements (restored after; None leaves them). One, like a
-    sweep's workers: on the shared 2-core machine (load ~5) a tangent snapshot took 2.85 s at 1
-    thread and 40.7 s at 2 (docs/PERFORMANCE.md).
+    sweep's workers: on a loaded machine two threads made a tangent snapshot many times slower than one
+    (docs/PERFORMANCE.md, section 4, "Continuation traces on both cores").
     ``workers`` > 1: spawned processes (one thread each) that measure the traces not yet in the store's
     cache, snapshot by snapshot (``continuation.traces.continuation_traces``; the same numbers). A script that
     asks for them needs the ``if __name__ == "__main__":`` guard that spawning processes needs; the
@@ -165,7 +165,7 @@ def _cached_traces(store, jobs: list[tuple], workers: int = 1) -> list:
     in ``STORE/analysis_cache/`` (one CSV per run, written atomically by the store's own writer) under a
     key of the run and its files' checksums, the circuit, the settings, torch's version and the source
     of ``_TRACE_SOURCES``: a second report of the same store reads the numbers back exactly (round-trip
-    floats) instead of recomputing them (~30 s per large-model snapshot). The runs it must compute are
+    floats) instead of recomputing them (docs/PERFORMANCE.md, section 4: a snapshot's cost). The runs it must compute are
     measured together (``continuation.traces.continuation_traces``: with ``workers`` > 1, every snapshot one task
     of a process pool). The ``seconds`` column keeps the time the measurement took when it was made."""
     from .continuation.traces import continuation_traces

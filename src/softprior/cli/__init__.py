@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.fn(args)
-    except KeyboardInterrupt as e:  # a training loop says where its runs resume (train.DeferredInterrupt)
+    except KeyboardInterrupt as e:  # a training loop says where its runs resume (loop.DeferredInterrupt)
         print("softprior: interrupted" + (f": {_one_line(str(e))}" if str(e) else ""), file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - sorted below: ours in one line, anything else with its traceback

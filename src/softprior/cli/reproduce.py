@@ -52,7 +52,7 @@ def cmd_reproduce(args) -> int:
             torch.empty(0, device=args.device)
         except (RuntimeError, AssertionError) as e:
             raise CliError(f"--device {args.device!r} is not usable here: {e}") from None
-        os.environ["SOFTPRIOR_DEVICE"] = args.device  # read by train.Runs in every worker
+        os.environ["SOFTPRIOR_DEVICE"] = args.device  # read by loop.Runs in every worker
     if args.name == "paper":
         return _paper(args, train=True)
     exp, cells = _experiment(args)

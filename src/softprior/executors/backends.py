@@ -185,7 +185,7 @@ class _Pool:
 
     def interrupt(self, timeout: float = 300.0) -> list:
         """After SIGINT or SIGTERM to the driver alone: SIGINT to every worker (a training job writes its
-        checkpoint and stops: ``train.DeferredInterrupt``), then (cfgs, init_states, JobResult) of every
+        checkpoint and stops: ``loop.DeferredInterrupt``), then (cfgs, init_states, JobResult) of every
         job that finished, to be written to the store. Jobs still running after ``timeout`` are left to
         their checkpoints."""
         import signal

@@ -24,10 +24,10 @@ __all__ = ["choose_group_size", "group_sizes", "group_scaling", "GROUP_SCALING",
 # ``--group auto`` reads that, else this one. docs/PERFORMANCE.md quotes both built-in tables (section 6,
 # the "built in" rows; tests/test_executors.py holds them equal).
 GROUP_SCALING: dict[int, float] = {1: 7.82, 2: 8.07, 4: 6.80, 8: 6.22, 16: 6.72}
-# the same for other model sizes (``model.size_label``), here measured on the development machine
-# (session 2026-12-05, ``train.Runs.step`` at 1 thread, assoc recall, batch 64): the large model is
-# compute-bound at batch 64, so a group only adds memory traffic and it trains fastest alone (sweeps
-# measured ~185 s a run alone against ~218 s in a group of 6). A model size without a table uses
+# the same for other model sizes (``model.config.size_label``), here measured on the development machine
+# (session 2026-12-05, ``loop.Runs.step`` at 1 thread, assoc recall, batch 64): the large model is
+# compute-bound at batch 64, so a group only adds memory traffic and it trains fastest alone (whole
+# sweeps agree: docs/PERFORMANCE.md, section 6, "Group scaling"). A model size without a table uses
 # the base one.
 GROUP_SCALING_BY_MODEL: dict[str, dict[int, float]] = {"base": GROUP_SCALING,
                                                        "large": {1: 45.8, 2: 48.6, 4: 50.6, 6: 48.2}}
@@ -108,7 +108,7 @@ def choose_group_size(n_runs: int, workers: int, scaling: dict[int, float] | Non
 
 
 def group_sizes(cfgs: list[RunConfig], group_size: int | str, workers: int) -> dict[str, int]:
-    """The group size of each model size (``model.size_label``) among ``cfgs``: ``group_size`` for
+    """The group size of each model size (``model.config.size_label``) among ``cfgs``: ``group_size`` for
     all, or for "auto" each size's own ``choose_group_size`` over its own table and run count."""
     from collections import Counter
 
@@ -145,12 +145,13 @@ def _jobs(cfgs: list[RunConfig], group_size: int | dict[str, int], kept: list[li
 
 # a step of a positional scheme against a fast-path step of the same size without one, where they
 # differ: the contextual schemes run their own code on every logit (benchmarks/contextual_fastpath.py,
-# column "fast / nope": 1 thread, assoc recall and Markov, K = 1 and 4; CoPE 2.7-3.3, DAPE 3.5-4.0,
-# GPSA 1.5-1.6). Every other scheme costs about what the soft prior's step does.
+# column "fast / nope": 1 thread, assoc recall and Markov, K = 1 and 4; the ranges measured are in
+# docs/PERFORMANCE.md, section 4, "Positional schemes"). Every other scheme costs about what the soft
+# prior's step does.
 STEP_COST: dict[str, float] = {"cope": 3.0, "dape": 3.7, "gpsa": 1.5}
 # a step through vmap of the readable model (a scheme the fast path does not know, or active hooks)
-# against a plain fast-path step: NoPE and the bias schemes measured ~2.0x (docs/PERFORMANCE.md); a
-# contextual scheme there costs about its own factor (CoPE 3.8, DAPE 4.6, GPSA 2.5 in the same benchmark)
+# against a plain fast-path step: NoPE and the bias schemes' readable -> fast ratios (docs/PERFORMANCE.md,
+# section 4, "Positional schemes"); a contextual scheme there costs about its own factor, in the same benchmark
 READABLE_STEP_COST = 2.0
 
 

@@ -49,7 +49,7 @@ class _Reporter:
     the first step after every ``PROGRESS_SECONDS`` (and every ``checkpoint_every`` steps); it reports
     the step (``report(step)``) and passes the checkpoint on to ``save`` only when one is due as
     without progress: at a multiple of ``every_steps``, ``save_seconds`` after the last one it wrote,
-    or at once when Ctrl-C stopped the loop (``meta["interrupted"]``, ``train.DeferredInterrupt``)."""
+    or at once when Ctrl-C stopped the loop (``meta["interrupted"]``, ``loop.DeferredInterrupt``)."""
 
     def __init__(self, report: Callable, save: Callable | None, every_steps: int, save_seconds: float | None):
         self.report, self.save, self.every_steps, self.save_seconds = report, save, every_steps, save_seconds

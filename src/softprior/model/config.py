@@ -1,5 +1,5 @@
 """The model's configuration: architecture and initialisation (docs/DESIGN.md, "Model"), and the
-paper's two sizes. Kept apart from ``model.py`` so that configs, run ids and listings need no torch.
+paper's two sizes. Kept apart from ``model/transformer.py`` so that configs, run ids and listings need no torch.
 """
 
 from __future__ import annotations

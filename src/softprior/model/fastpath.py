@@ -1,7 +1,7 @@
-"""The fast training forward: the readable model's function (``model.py``), rewritten for speed and
+"""The fast training forward: the readable model's function (``model/transformer.py``), rewritten for speed and
 batched over a leading run dimension K (K = 1 for a single run).
 
-``model.SoftPriorTransformer`` stays the one definition of the model; this module computes the
+``model.transformer.SoftPriorTransformer`` stays the one definition of the model; this module computes the
 same logits from the same parameters (a test holds logits and gradients equal to 1e-5 on random
 weights, ``tests/test_fastpath.py``) with fewer, larger kernels (or one: point 7). Autograd does the backward, except
 for two small ``autograd.Function``s with hand-written backwards (``_Gather``, ``_Attention``). ``_Attention``
@@ -11,9 +11,9 @@ What it does differently (each an exact algebraic identity, so only rounding dif
 
 1. **LayerNorm weight and bias folded into the next projection** where the normalised input has
    many rows. With n = (x - mean) / std, ``LN(x) W^T = n (W diag(w))^T + W b``: the [B, T, d]
-   affine multiply and its backward become an op on a 208 x 64 weight. (Where only a few rows are
-   normalised, the vocabulary table and the final LayerNorm at the loss positions, the affine is
-   applied directly: fewer ops.)
+   affine multiply and its backward become an op on the [3d + 2Hr, d] weight (H heads, content rank
+   r). (Where only a few rows are normalised, the vocabulary table and the final LayerNorm at the loss
+   positions, the affine is applied directly: fewer ops.)
 2. **in_proj rows regrouped per head**: per head ``[Q_h / sqrt(d_head), g_content,h U_h]``
    and ``[K_h, W_h]`` side by side, so the paper's logits ``Q K^T / sqrt(d_head) + g_c (xU)(xW)^T``
    are one batched matmul of the two blocks, without a concatenation of activations; the scale and
@@ -23,10 +23,10 @@ What it does differently (each an exact algebraic identity, so only rounding dif
    measured slower in the backward).
 3. **Layer 0 of a token model works on the vocabulary.** Its input is the token embedding, so
    ``LN(E[tok]) W^T = (LN(E) W^T)[tok]``: all in_proj rows are applied to the V vocabulary entries
-   in one matmul ([V, d] x [d, 208]), and the per-head query, key and value columns are gathered by
+   in one matmul ([V, d] x [d, 3d + 2Hr]), and the per-head query, key and value columns are gathered by
    token, straight into the head-major layout the batched attention matmuls want (no [B*T, d] x
    [d, 3d] projection, no head-split copies). Going through the rows once instead of three
-   projections cut ~75 ops per step: 5.0-5.35 -> 4.6-4.8 ms/step (2 threads; docs/PERFORMANCE.md).
+   projections cuts the ops of a step (docs/PERFORMANCE.md, section 4, "Fused projections").
 4. **The last layer, re-associated at the loss positions.** Only the positions that carry loss
    need outputs, so instead of projecting keys and values at every position,
    ``q_i . (W_K n_j + W_K b) = (W_K^T q_i) . n_j + const_i`` (the constant cancels in the softmax) and
@@ -59,9 +59,8 @@ What it does differently (each an exact algebraic identity, so only rounding dif
      only a softmax cancels, and passes q at the loss positions (neither scheme reads k, which this
      layer never forms); GPSA's mixed pattern is renormalised to rows summing to 1,
      so the values re-associate as before.
-   Against ``vmap`` of the readable model, per run-step (docs/PERFORMANCE.md): ~2x for the bias
-   schemes and NoPE, 1.2-1.4x for vanilla, 1.1-1.4x for RoPE (the contextual schemes:
-   benchmarks/contextual_fastpath.py).
+   What each saves against ``vmap`` of the readable model, per run-step: docs/PERFORMANCE.md, section 4,
+   "Positional schemes" (the contextual schemes measured by benchmarks/contextual_fastpath.py).
 
 7. **The whole step in one operator** where it applies (``kernels/step.py``: the soft prior with no
    positional scheme, pre-LayerNorm, a token task whose last layer is re-associated): points 1-5 computed
@@ -119,7 +118,7 @@ def engine(cfg: ModelConfig, tokens: bool, T: int, P: int, device: str = "cpu") 
     ("whole-step", None) for the whole-step operator (``kernels/step.py``); ("fast-path", why) for
     this module's run-stacked forward (its attention through the fused operator where it is built);
     ("readable", why) for the readable model, vmapped one run at a time. A run summary records it per
-    run (``train.run_summary``, ``engine``)."""
+    run (``loop.run_summary``, ``engine``)."""
     if not supports(cfg):
         why = (_why_family(cfg) or ("post-LayerNorm is not on the fast path" if cfg.norm == "post" else
                                     f"positional scheme {cfg.positional!r} is not on the fast path"))
@@ -376,7 +375,7 @@ def _pos_bias(table: torch.Tensor, g_pos: torch.Tensor, off: torch.Tensor, mask:
 
 class _Gather(torch.autograd.Function):
     """rows = table[idx] (idx any shape, table [N, w]) with an ``index_add_`` backward: the
-    embedding backward sorts its indices and measured 3-4x slower for these few, often repeated rows."""
+    embedding backward sorts its indices, slower for these few, often repeated rows (docs/PERFORMANCE.md, section 5)."""
 
     @staticmethod
     def forward(ctx, table, idx):
@@ -397,7 +396,8 @@ class _Attention(torch.autograd.Function):
     q, k: [K*H*B, T, e]; v: [K*H*B, T, dh]; bias: [K, H, Tq, T] (broadcast over B). Backward
     (the softmax Jacobian applied row-wise): dP = dz v^T, dS = P * (dP - sum_j dP P), dq = dS k,
     dk = dS^T q, dv = P^T dz, dbias = sum_B dS. One node instead of eight, and every kernel sees
-    contiguous operands (autograd's softmax backward got a strided gradient and ran 5x slower).
+    contiguous operands (autograd's softmax backward got a strided gradient and ran slower: docs/PERFORMANCE.md,
+    section 5).
     """
 
     @staticmethod
@@ -554,7 +554,8 @@ def fast_forward(params: dict[str, torch.Tensor], cfg: ModelConfig, inputs: torc
     x = _embed(params, cfg, c, pe)
     # the last layer computes queries at the loss positions only, re-associated onto n (point 4): a
     # saving while few positions carry loss; with loss on most positions (Markov ``loss_on="determined"``,
-    # P = T) the re-associated products cost ~3x a plain layer, so that layer runs the plain way
+    # P = T) the re-associated products cost more than a plain layer (docs/PERFORMANCE.md, section 5), so that
+    # layer runs the plain way
     few = _few(cfg, len(pos), T)
     for l in range(L):
         if l < L - 1 or not few:

@@ -2,12 +2,12 @@
 own prior or task"; the paper's prior is Sec. 3).
 
 The model adds ``g_pos * B^pos_h(i, j) + g_content * B^content_h(x_i, x_j)`` to its attention logits
-(``model.Attention``); a *prior family* says what B^pos is, how it starts and what it learns, and may
+(``model.transformer.Attention``); a *prior family* says what B^pos is, how it starts and what it learns, and may
 replace B^content. ``ModelConfig.prior_family`` names the family; the gates, the paths that anneal
 them, and the whole method stay as they are.
 
 - ``soft`` (the first entry): the paper's learned table B^pos[h, i - j] over offsets 0..n_ctx-1, its
-  initialisation set by ``prior_init`` / ``prior_scale`` / ``prior_layers`` (``model.initial_pos_bias``),
+  initialisation set by ``prior_init`` / ``prior_scale`` / ``prior_layers`` (``model.transformer.initial_pos_bias``),
   and the rank-r bilinear B^content. The model computes it itself; the fast path supports it.
 - every static positional scheme whose bias is a function of the offsets (an ``AdditiveBias`` of
   ``softprior.positional``: alibi, t5, kerple_log, kerple_power, fire) under the gate, as

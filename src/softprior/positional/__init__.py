@@ -23,8 +23,8 @@ Conventions shared by all schemes:
 - parameters live on the scheme instance. Each layer gets its own instance (``make_scheme(...,
   layer=l)``); where a reference shares parameters across layers we say so and say what we do;
 - every forward is functional (no in-place writes to parameters, no ``.item()``), so the schemes
-  run under ``torch.func.vmap(functional_call(...))`` as the fast path (fastpath.py, point 6) and the
-  grouped engine's readable fallback (train.py) need.
+  run under ``torch.func.vmap(functional_call(...))`` as the fast path (model/fastpath.py, point 6) and the
+  grouped engine's readable fallback (training/loop.py) need.
 
 Layout: ``base`` (the interface and shared helpers), one module per family (``absolute``: vanilla,
 NoPE; ``rotary``: RoPE; ``bias``: ALiBi, T5, Kerple, FIRE; ``contextual``: CoPE, DAPE, GPSA), and the

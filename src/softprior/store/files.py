@@ -153,7 +153,7 @@ class RunFiles:
     def load_checkpoint(self, run_id: str) -> dict | None:
         ck = _read_checkpoint(self.run_dir(run_id) / "checkpoint.safetensors")
         if ck is not None and ck["meta"].get("run_ids") != [run_id]:
-            # an older format (before train.train was the K = 1 loop): the run restarts from scratch, so
+            # an older format (before loop.train was the K = 1 loop): the run restarts from scratch, so
             # the snapshots that checkpoint kept go with it
             self.drop_checkpoint(run_id)
             shutil.rmtree(self.run_dir(run_id) / "snapshots", ignore_errors=True)

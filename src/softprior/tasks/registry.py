@@ -1,7 +1,7 @@
 """The tasks' configurations (docs/DESIGN.md, "Tasks"; the generators and their options are described
 in ``tasks/generators.py``), validated by pydantic. Kept apart from ``tasks/generators.py`` so that configs, run ids and
 ``softprior tasks`` need no torch. ``AssocRecallConfig.ceiling`` is the associative-recall Bayes
-ceiling in closed form (``tasks.AssocRecall.bayes_accuracy`` derives it).
+ceiling in closed form (``tasks.generators.AssocRecall.bayes_accuracy`` derives it).
 
 **The task registry** (``TASK_SPECS``, ``register_task``, ``task_spec``) lives here too, below the
 configs: one ``TaskSpec`` per task, the one place that names the tasks (docs/STUDY.md, "Your own prior
@@ -9,7 +9,7 @@ or task"). An entry carries
 
 - ``config``: its pydantic config class (a ``TaskConfigBase`` whose ``name`` field is ``Literal[<name>]``);
   a run config's ``task`` is validated by the entry its ``name`` picks (``validate_task_config``);
-- ``generator``: its ``tasks.Task`` subclass (the batch generator, loss, metric "acc" or "mse", chance
+- ``generator``: its ``tasks.generators.Task`` subclass (the batch generator, loss, metric "acc" or "mse", chance
   level, and ``bayes_accuracy`` where the task has a Bayes ceiling), or ``"module:Class"`` for the
   built-ins, so that configs and run ids need no torch;
 - ``io``: "tokens" (the model's vocabulary is the config's ``vocab``) or "vectors" (``d_in``, one output);
@@ -26,7 +26,7 @@ default a plugin may keep: ``answer_mask``, ``chance_text``, ``ceiling_text``, `
 filled with pairs, the length reading "pairs fill" of ``cells.length_view``; by default the config as it is.)
 
 Adding a task is one file: a config (subclass ``TaskConfigBase``), a generator (subclass
-``tasks.Task``) and a ``register_task`` call, loaded with ``--plugin FILE`` (``softprior.plugins``).
+``tasks.generators.Task``) and a ``register_task`` call, loaded with ``--plugin FILE`` (``softprior.plugins``).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class AssocRecallConfig(_TaskBase):
         return self.model_copy(update={"n_pairs": max(self.n_pairs, min(room, self.n_pairs * length // n_ctx))})
 
     def ceiling(self) -> float:
-        """The Bayes ceiling of the final query (derivation: ``tasks.AssocRecall.bayes_accuracy``):
+        """The Bayes ceiling of the final query (derivation: ``tasks.generators.AssocRecall.bayes_accuracy``):
         1 unless keys repeat and the answer is the queried pair's own value, then
         E[1/m] = (1 - (1 - 1/K)^n) K / n for K = n_keys keys and n pairs."""
         if self.keys == "distinct" or self.repeat_target != "uniform":

@@ -1,7 +1,7 @@
 """Which runs may train together, and the entry point for a group of them (for sweeps).
 
-The training loop itself is ``train.train_runs`` (``train.Runs``: the K runs' parameters stacked on a
-leading run dimension, one step and one evaluation for all of them); ``train.train`` is the same
+The training loop itself is ``loop.train_runs`` (``loop.Runs``: the K runs' parameters stacked on a
+leading run dimension, one step and one evaluation for all of them); ``loop.train`` is the same
 loop with K = 1, so a run's per-step rules (gates, prior dropout, dual loss, clipping, logging)
 exist once. Every model ``fastpath.supports`` (no positional scheme, or any registered one: bias,
 absolute, rotary or contextual) runs through ``fastpath.fast_forward``, written for the run dimension;
@@ -13,7 +13,7 @@ code path trains a whole sweep in a few kernels per op.
 Runs in a group must share everything that fixes tensor shapes and the optimiser: task, model,
 batch size, step budget, learning rate, weight decay, eval interval and validation set
 (``group_key``); they may differ in path, seed, gradient clipping and (on the fast path)
-initialisation. A group checkpoints and resumes as a single run does (``train.checkpoint``: the
+initialisation. A group checkpoints and resumes as a single run does (``loop.checkpoint``: the
 stacked weights, the optimiser state, every run's generators), bit-identically; the checkpoint names
 its runs, and resuming it into another group is refused.
 """
@@ -60,7 +60,7 @@ def train_group(cfgs: list[RunConfig], init_states: list[dict] | None = None, pr
     Results (weights, metrics) come back on the CPU. Applies ``runtime.prepare_training()``
     (the allocator setting).
 
-    resume / on_checkpoint / checkpoint_seconds: as in ``train.train``, for the whole group (the
+    resume / on_checkpoint / checkpoint_seconds: as in ``loop.train``, for the whole group (the
     first config's ``checkpoint_every``); the checkpoint's ``meta["run_ids"]`` names the runs, in order."""
     if not cfgs:
         return []

@@ -193,7 +193,7 @@ class Runs:
     and ``engine.train_group`` both use.
 
     Forward: ``fastpath.fast_forward``, written for the run dimension (a test holds it to the readable
-    ``model.py``), for every model it supports (no positional scheme, or nope, alibi, t5, kerple,
+    ``model/transformer.py``), for every model it supports (no positional scheme, or nope, alibi, t5, kerple,
     kerple_power, fire, vanilla, rope, cope, dape, gpsa); a model it does not support (a scheme it does
     not know) applies the readable model with ``vmap(functional_call(...))``.
     What stays per run (the per-step rules above): the data (each run's own generator), the gates
@@ -235,7 +235,7 @@ class Runs:
         self._LH = (L, H)
         self.engine, self.engine_why = fastpath.engine(c0.model, c0.model.d_in is None, self.T, len(loss_pos),
                                                        torch.device(dev).type)
-        if fastpath.supports(c0.model):  # hand-fused and run-stacked already (fastpath.py)
+        if fastpath.supports(c0.model):  # hand-fused and run-stacked already (model/fastpath.py)
             def batched(p, inputs, gp, gc):
                 return fastpath.fast_forward(p, c0.model, inputs, gp, gc, loss_pos)
             self.forward = self.forward_val = batched

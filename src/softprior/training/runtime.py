@@ -6,18 +6,17 @@ A training step of the base model allocates and frees a few hundred tensors, sev
 0.1-1 MB (the layer-0 attention scores are [B*H, T, T] = 1 MB). glibc's malloc gives memory at the
 top of its heap back to the OS as soon as more than ``M_TRIM_THRESHOLD`` is free there (and serves
 large blocks with ``mmap``), so the next step faults the same pages in again: ~500 minor page
-faults per step, measured with ``getrusage``. Keeping freed memory in the process removes them: a
-whole 600-step base run 5.8% faster, a Markov run 2.3%, a large run 3.1% (1 thread,
-``benchmarks/speed_machinery.py``; docs/PERFORMANCE.md), about 4% of the whole paper. The
-cost is that the process holds on to its peak heap (a few hundred MB at most for these models).
+faults per step, measured with ``getrusage``. Keeping freed memory in the process removes them and
+makes a whole run faster (``benchmarks/speed_machinery.py``: docs/PERFORMANCE.md, section 5, the
+allocator's row, with its share of the whole paper). The cost is that the process holds on to its
+peak heap (a few hundred MB at most for these models).
 
 This is what ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_`` would do if set before the
 process starts; ``mallopt`` applies it from inside (glibc ``mallopt(3)``). It changes no numbers,
 only where freed memory goes. Elsewhere (macOS, musl, Windows) it is a no-op.
 
-Denormal flushing was measured and removed: flush-to-zero saved 4.4% of a base assoc-recall run, 1.2%
-of a Markov run and 0.8% of a large run (``benchmarks/speed_machinery.py``; docs/PERFORMANCE.md),
-about 1-2% of the whole paper, and the project keeps speed code only where it saves 3% or more.
+Denormal flushing was measured and removed: flush-to-zero saved less than the 3% the project keeps
+speed code for (``benchmarks/speed_machinery.py``: docs/PERFORMANCE.md, section 5, "Tried and not kept").
 
 ``train``, ``train_group``, ``softprior bench`` and the scripts in ``benchmarks/`` call
 ``prepare_training()``: the allocator setting, process-wide (nothing to restore), which changes no
@@ -26,11 +25,11 @@ numbers, only where freed memory goes.
 Threads (``choose_threads``). A sweep gives each worker process its share of the cores (cores //
 workers, one thread each with ``--workers 2`` on 2 cores). A single run (``softprior train``) takes the
 cores that are free: the usable cores less the 1-minute load average. On a machine where another
-job keeps a core busy, torch's default (every core) made a base run ~3x slower than one thread: its
-OpenMP team waits on the busy core at every parallel op. ``softprior train --threads N`` overrides
-the choice. The thread count is recorded in every run summary (``provenance``); like the group size
-it can change the last bits of a run (docs/DESIGN.md), so pin it with ``--threads`` to reproduce a
-run bit for bit.
+job keeps a core busy, torch's default (every core) made a base run several times slower than one
+thread: its OpenMP team waits on the busy core at every parallel op (docs/PERFORMANCE.md, section 1,
+"Threads"). ``softprior train --threads N`` overrides the choice. The thread count is recorded in
+every run summary (``provenance``); like the group size it can change the last bits of a run
+(docs/DESIGN.md), so pin it with ``--threads`` to reproduce a run bit for bit.
 """
 
 from __future__ import annotations

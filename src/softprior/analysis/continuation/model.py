@@ -126,7 +126,7 @@ def circuit_mask(layout: ParamLayout, cfg, circuit) -> torch.Tensor:
 
     - a list of (layer, head) pairs: the head's query, key and value rows of
       ``blocks.{l}.attn.in_proj.weight`` (rows h*dh.., d + h*dh.., 2d + h*dh.., dh each; the fused
-      layout Q | K | V | U | W of ``model.Attention``) and its columns h*dh..(h+1)*dh of
+      layout Q | K | V | U | W of ``model.transformer.Attention``) and its columns h*dh..(h+1)*dh of
       ``blocks.{l}.attn.out_proj.weight`` (W_O^h: the out projection reads head h's z from those
       columns): 4 d_model d_head coordinates per head;
     - a list of parameter names: every coordinate of those parameters;
