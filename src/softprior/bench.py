@@ -302,7 +302,7 @@ def engine_table(ref_mod, models=("base", "large"), ks=(1, 8), thread_counts=(1,
 
 def family_table(quick: bool = False, threads: int = 1, log=print) -> dict:
     """Per registered prior family (``model.priors.PRIORS``), the base model's training step
-    (``train.Runs.step`` of one associative-recall run, unforced) at ``threads`` threads: ms per step, the
+    (``training.loop.Runs.step`` of one associative-recall run, unforced) at ``threads`` threads: ms per step, the
     engine that trains it (``fastpath.engine``, with why it is not the fastest) and the ratio to the soft
     prior's step, the soft prior and each family timed in turn so that machine noise hits both; medians
     of ``reps`` samples."""
