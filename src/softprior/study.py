@@ -40,7 +40,8 @@ from .calibration.space import SearchSpace
 from .claims import Cond, PaperClaim, verdicts
 
 __all__ = ["StudyPlan", "run_study", "study_claims", "default_criteria", "study_space", "STUDY_PATHS",
-           "StudyError", "KEEP", "ANNEAL", "FAIL", "POSTHOC", "MARGIN"]
+           "StudyError", "write_verdicts", "atlas_names", "atlas_plans", "cell_finished", "run_atlas",
+           "ATLAS_TASKS", "ATLAS_SEEDS", "KEEP", "ANNEAL", "FAIL", "POSTHOC", "MARGIN"]
 
 # the paper's paths (Sec. 4) as the study trains them: (row label, path name at the paper's 3,600 steps)
 STUDY_PATHS = [("unforced", "unforced"), ("forced_zero", "forced_zero"), ("forced_const0.5", "forced_const0.5"),
@@ -323,9 +324,60 @@ def run_study(plan: StudyPlan, store, log=print) -> Path:
     _execute(plan, store, [cfg for rows in map_rows.values() for _, _, cfg in rows], log, registered=False)
     log(f"study {plan.name}: 5/5 report")
     from .reports.study import write_report
-    return write_report(plan, store, space, cands, rec, chosen, claims, levels, main_rows,
-                        {c.cid: (c, map_rows[c.cid]) for c in others}, verdicts_of=lambda rows: verdicts(
-                            _tables(store, rows), claims))
+    report = write_report(plan, store, space, cands, rec, chosen, claims, levels, main_rows,
+                          {c.cid: (c, map_rows[c.cid]) for c in others}, verdicts_of=lambda rows: verdicts(
+                              _tables(store, rows), claims))
+    write_verdicts(plan, store, rec, chosen, claims, levels, main_rows)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- verdicts as data
+_DIFFICULTY_ROWS = ("unforced", "forced_zero")  # the search's own runs; every other path is a prediction row
+
+
+def _num(x):
+    """A float for JSON: rounded to 6 digits, None where not finite (one seed gives no interval)."""
+    return round(float(x), 6) if x is not None and math.isfinite(x) else None
+
+
+def _utc(t: float | None) -> str | None:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else None
+
+
+def write_verdicts(plan: StudyPlan, store, rec: dict, chosen, claims: list[PaperClaim], levels: tuple,
+                   main_rows) -> Path:
+    """``plan.dir/verdicts.json``, beside REPORT.md: the study's verdicts as data (what ``softprior atlas``
+    reads; ``reports.atlas``): its settings, levels, the record it rests on and when it was registered,
+    when the claims were pre-registered and when the first prediction row was stored, each path's
+    per-seed values, and per claim its verdict, evidence and each condition's estimate and interval."""
+    tables = _tables(store, main_rows)
+    created = {r["run_id"]: r.get("created") for r in store.rows()}
+    first = min((created[cfg.run_id] for label, _, cfg in main_rows if label not in _DIFFICULTY_ROWS
+                 and created.get(cfg.run_id)), default=None)
+    prereg = json.loads((plan.dir / "preregistration.json").read_text())
+    t = tables["study"]
+    paths = {label: {g: [_num(v) for v in t.get((label, g, "values"), [])] for g in ("normal", "zero")}
+             for label, _ in plan.paths}
+    fade = t.get(("fade600", "zero"))
+    out = []
+    for cl, v, ev in verdicts(tables, claims):
+        conds = []
+        for k in cl.conditions:
+            e = k.evaluate(tables)
+            conds.append({"condition": k.describe(), "measured": e is not None,
+                          **({key: _num(e[key]) for key in ("est", "lo", "hi", "thr")} if e else {}),
+                          **({"n": e["n"], "holds": e["ok"]} if e else {})})
+        out.append({"name": cl.name, "statement": cl.statement, "paper": cl.paper, "verdict": v, "evidence": ev,
+                    "conditions": conds})
+    body = {"study": plan.name, "task": plan.task, "prior": plan.prior, "steps": plan.steps, "seeds": plan.seeds,
+            "budget": plan.budget, "quick": plan.quick, "metric": levels[0], "chance": _num(levels[1]),
+            "ceiling": _num(levels[2]), "record": rec["hash"], "registered_at": rec.get("registered_at"),
+            "preregistered_at": prereg.get("written_at"), "first_prediction_row_at": _utc(first),
+            "candidate": chosen.cid, "task_options": rec.get("task_options"), "model_options": rec.get("model_options"),
+            "fade_zero": _num(fade) if fade is not None else None, "paths": paths, "claims": out}
+    f = plan.dir / "verdicts.json"
+    f.write_text(json.dumps(body, indent=1, sort_keys=True))
+    return f
 
 
 def _task_criteria(task: str) -> list[Criterion] | None:
@@ -359,4 +411,77 @@ def load_criteria(path: str) -> list[Criterion]:
         raise StudyError(f"criteria file {path!r}: {validation_message(e)}") from None
     if not out:
         raise StudyError(f"criteria file {path!r} states no criterion")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the atlas
+ATLAS_TASKS = ("assoc_recall", "markov")  # associative recall and Markov induction
+ATLAS_SEEDS = 5
+
+
+def atlas_names(priors: list[str] | None, tasks: list[str] | None) -> tuple[list[str], list[str]]:
+    """The atlas's priors (default: every registered family, plugins' included) and tasks (default
+    ``ATLAS_TASKS``), each checked against its registry: StudyError naming the allowed values."""
+    from .model.priors import PRIORS
+    from .tasks.registry import TASK_SPECS
+    priors = list(PRIORS) if not priors else priors
+    tasks = list(ATLAS_TASKS) if not tasks else tasks
+    for kind, names, allowed in (("prior", priors, list(PRIORS)), ("task", tasks, list(TASK_SPECS))):
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise StudyError(f"atlas: unknown {kind} {bad[0]!r} (allowed: {', '.join(allowed)})")
+        if len(set(names)) != len(names):
+            raise StudyError(f"atlas: a {kind} is named twice in {', '.join(names)}")
+    return priors, tasks
+
+
+def atlas_plans(priors: list[str], tasks: list[str], **study) -> list[StudyPlan]:
+    """One study per (prior, task), prior by prior: named ``atlas-TASK-PRIOR`` (-quick with --quick), so
+    that its search, record and directory are the atlas's own, apart from any ``softprior study`` of the
+    same pair; ``study``: the StudyPlan fields every cell shares (seeds default ``ATLAS_SEEDS``, the study's with --quick)."""
+    study = {**study, "seeds": study.get("seeds") or (None if study.get("quick") else ATLAS_SEEDS)}
+    return [StudyPlan(task=t, prior=p, name=f"atlas-{t}-{p}" + ("-quick" if study.get("quick") else ""), **study)
+            for p in priors for t in tasks]
+
+
+_CELL_KEYS = ("task", "prior", "steps", "seeds", "budget", "quick")
+
+
+def cell_finished(plan: StudyPlan, copy: Path | None = None) -> Path | None:
+    """The verdicts a finished cell wrote (its study's ``verdicts.json``, the last thing ``run_study``
+    writes, or its copy beside the atlas document) at the plan's settings; None while it is not."""
+    for f in (plan.dir / "verdicts.json", copy):
+        if f is not None and f.is_file():
+            body = json.loads(f.read_text())
+            if all(body.get(k) == getattr(plan, k) for k in _CELL_KEYS):
+                return f
+    return None
+
+
+def run_atlas(plans: list[StudyPlan], store, cells_dir: Path, on_cell=None, log=print) -> list[Path]:
+    """Every cell's study (``run_study``, its stages as they are), skipping the cells already finished
+    (``cell_finished``); each finished cell's ``verdicts.json`` copied to ``cells_dir/TASK-PRIOR.json``
+    (what the atlas document reads), then, where that file changed, ``on_cell()`` (the document rewritten). Killed, it resumes: a
+    finished cell is kept, an unfinished one resumes within its study. Returns the cells' files."""
+    cells_dir = Path(cells_dir)
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i, plan in enumerate(plans, 1):
+        tag = f"cell {i}/{len(plans)}: {plan.prior} x {plan.task}"
+        copy = cells_dir / f"{plan.task}-{plan.prior}.json"
+        done = cell_finished(plan, copy)
+        if done:
+            log(f"{tag}: finished before ({done}), not rerun")
+        else:
+            log(f"{tag} ({plan.steps} steps, {plan.seeds} seed(s), budget {plan.budget}) ...")
+            started = time.time()
+            run_study(plan, store, log=lambda m: log(f"  {m}"))
+            done = plan.dir / "verdicts.json"
+            log(f"{tag}: done ({time.time() - started:.0f} s)")
+        fresh = done != copy and (not copy.is_file() or copy.read_text() != done.read_text())
+        if fresh:
+            copy.write_text(done.read_text())
+        out.append(copy)
+        if fresh and on_cell is not None:
+            on_cell()
     return out

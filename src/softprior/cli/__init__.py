@@ -19,7 +19,7 @@ lives in a module of its own, with its parser:
 - ``calibrate``: ``calibrate`` (the search, pre-registration, the robustness map);
 - ``tools``: ``experiments``, ``baselines``, ``bench`` and ``export``;
 - ``listings``: ``store verify``, ``paths`` and ``tasks``;
-- ``tour``: ``tour``; ``study``: ``study``;
+- ``tour``: ``tour``; ``study``: ``study``; ``atlas``: ``atlas`` (a study per prior family and task, ATLAS.md);
 - ``common``: the command line's errors, argument types and what several commands share;
 - ``outputs``: the output paths checked before a command works, and the reports' ledger rows.
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .atlas import _add_atlas_parser
 from .calibrate import _add_calibrate_parser
 from .listings import _add_store_and_listing_parsers
 from .reproduce import _add_experiment_parsers
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store_and_listing_parsers(sub)
     _add_tour_parser(sub)
     _add_study_parser(sub)
+    _add_atlas_parser(sub)
     return p
 
 
