@@ -35,6 +35,7 @@ def cmd_atlas(args) -> int:
                 "command": cmd})
     started = time.time()
     store = _store(args)
+    write_atlas(args.doc)  # the cells not yet run shown as such from the start
     run_atlas(plans, store, atlas_dir(args.doc) / "cells", on_cell=lambda: write_atlas(args.doc))
     print(f"atlas: wrote {write_atlas(args.doc)} ({time.time() - started:.0f} s)")
     return 0

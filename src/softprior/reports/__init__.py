@@ -7,6 +7,7 @@ each name from the module that writes it (this package re-exports nothing):
 - ``calibration_doc``: a search's registered record (pre-registration) and the generated blocks of
   ``docs/CALIBRATION.md``;
 - ``study``: the report of ``softprior study`` (``study/NAME/REPORT.md``);
+- ``atlas``: the removability atlas of ``softprior atlas`` (``docs/ATLAS.md`` and its figure, from the cells' files);
 - ``timings``: the time ledger summed up and said as text (``softprior report timings``).
 
 They lie above ``calibration/`` and below the drivers that call them (``paper.py``, ``study.py``, the

@@ -108,7 +108,7 @@ def _figure(path: Path, priors, tasks, claims, cells) -> None:
                 row.append(to_rgb(_STYLE[kind][0]))
                 text = _STYLE[kind][1]
                 if name == "fade keeps" and body and body.get("fade_zero") is not None:
-                    text = f"{text}\n{body['fade_zero']:.2f}"
+                    text = f"{text}\n{body['fade_zero']:.3f}"
                 ax.text(j, i, text, ha="center", va="center", fontsize=7)
             grid.append(row)
         ax.imshow(grid or [[(1, 1, 1)]], aspect="auto")
