@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from .common import _at_least_one, _check_executor, _group_arg, _store
+from .common import _add_sweep_args, _at_least_one, _check_executor, _store
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -60,9 +60,5 @@ def _add_atlas_parser(sub) -> None:
                    "go to atlas/ beside it (cells/TASK-PRIOR.json, atlas.json, atlas.png)")
     s.add_argument("--report-only", action="store_true", help="rewrite --doc from the files beside it alone "
                    "(no store, no training)")
-    s.add_argument("--store", default="runs")
-    s.add_argument("--executor", default="local", choices=["local", "ray"])
-    s.add_argument("--workers", type=_at_least_one, default=1)
-    s.add_argument("--group", type=_group_arg, default="auto", help="runs per group, or 'auto' (as reproduce)")
-    s.add_argument("--address", default=None)
+    _add_sweep_args(s)
     s.set_defaults(fn=cmd_atlas)

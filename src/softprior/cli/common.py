@@ -45,6 +45,15 @@ def _group_arg(v: str) -> int | str:
     return k
 
 
+def _add_sweep_args(s) -> None:
+    """The store and executor options of a command that runs studies (``study``, ``atlas``)."""
+    s.add_argument("--store", default="runs")
+    s.add_argument("--executor", default="local", choices=["local", "ray"])
+    s.add_argument("--workers", type=_at_least_one, default=1)
+    s.add_argument("--group", type=_group_arg, default="auto", help="runs per group, or 'auto' (as reproduce)")
+    s.add_argument("--address", default=None)
+
+
 def parse_gates(text: str | None) -> tuple:
     """'pos=0,content=0' -> (0.0, 0.0); a missing gate keeps the model's own value (None)."""
     if not text:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from .common import _at_least_one, _check_executor, _group_arg, _store
+from .common import _add_sweep_args, _check_executor, _store
 
 
 def cmd_study(args) -> int:
@@ -40,9 +40,5 @@ def _add_study_parser(sub) -> None:
     s.add_argument("--criteria", default=None, help="a .json/.toml file of difficulty criteria (default: the "
                    "task's own if a plugin declares them, else: the prior-on path learns, the no-prior path does not)")
     s.add_argument("--out", default="study", help="where study/NAME/ goes (default ./study)")
-    s.add_argument("--store", default="runs")
-    s.add_argument("--executor", default="local", choices=["local", "ray"])
-    s.add_argument("--workers", type=_at_least_one, default=1)
-    s.add_argument("--group", type=_group_arg, default="auto", help="runs per group, or 'auto' (as reproduce)")
-    s.add_argument("--address", default=None)
+    _add_sweep_args(s)
     s.set_defaults(fn=cmd_study)
