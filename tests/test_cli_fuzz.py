@@ -32,7 +32,7 @@ SETTINGS = settings(max_examples=200, deadline=None, database=None,
 
 # ------------------------------------------------------------------------------ SPEC: what is valid
 COMMANDS = {"train", "eval", "reproduce", "report", "calibrate", "experiments", "baselines", "bench", "export",
-            "store", "paths", "tasks", "tour", "study"}
+            "store", "paths", "tasks", "tour", "study", "atlas"}
 TASKS = {"assoc_recall", "markov", "linear_icl"}
 TASK_FILTERS = TASKS | {"markov p=0.2", "markov p=0.5", "markov p=0.8"}  # --tasks: a task or a Markov variant
 MODELS = {"base", "large"}
