@@ -22,7 +22,7 @@ __all__ = ["choose_group_size", "group_sizes", "group_scaling", "GROUP_SCALING",
 # once per group, so the cost falls to K = 4-8 and rises again at 16 (the working set leaves the cache).
 # ``softprior bench`` measures this machine's own table and saves it (``save_group_scaling``);
 # ``--group auto`` reads that, else this one. docs/PERFORMANCE.md quotes both built-in tables (section 6,
-# the "built in" rows; tests/test_executors.py holds them equal).
+# the "built in" rows; tests/executors/test_executors.py holds them equal).
 GROUP_SCALING: dict[int, float] = {1: 7.82, 2: 8.07, 4: 6.80, 8: 6.22, 16: 6.72}
 # the same for other model sizes (``model.config.size_label``), here measured on the development machine
 # (session 2026-12-05, ``loop.Runs.step`` at 1 thread, assoc recall, batch 64): the large model is

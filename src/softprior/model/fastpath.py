@@ -3,7 +3,7 @@ batched over a leading run dimension K (K = 1 for a single run).
 
 ``model.transformer.SoftPriorTransformer`` stays the one definition of the model; this module computes the
 same logits from the same parameters (a test holds logits and gradients equal to 1e-5 on random
-weights, ``tests/test_fastpath.py``) with fewer, larger kernels (or one: point 7). Autograd does the backward, except
+weights, ``tests/model/test_fastpath.py``) with fewer, larger kernels (or one: point 7). Autograd does the backward, except
 for two small ``autograd.Function``s with hand-written backwards (``_Gather``, ``_Attention``). ``_Attention``
 runs as the fused C++ operator of ``kernels/attention.py`` where that builds (``_attention``).
 

@@ -113,7 +113,7 @@ def one_thread():
     AdamW update over a large model's tensors (tens of thousands of elements: past ATen's grain of
     32,768) gave other bits at 1 and 2 threads. In one thread they are computed as a one-thread
     run computes them, so a run's weights do not depend on the thread count (docs/DESIGN.md,
-    "Bit-identity"; tests/test_bit_identity.py). Its cost is in docs/PERFORMANCE.md."""
+    "Bit-identity"; tests/training/test_bit_identity.py). Its cost is in docs/PERFORMANCE.md."""
     import torch
     n = torch.get_num_threads()
     if n == 1:

@@ -43,7 +43,7 @@ The tangent's system (what ``optimum_tangent`` and the trace measure, and why). 
 theorem's H_g^{-1} A_g is the motion of a *stationary point*; at the snapshots of a run that is still
 learning H_g is strongly indefinite, so the stationary point it follows is a saddle the path is not
 on, and (H_g + lambda I) t = -A_g is ill posed at a small damping. On the tiny model of
-``tests/test_continuation_solver.py`` (464 parameters after 40 steps, g = 0.5, float64, dense) H has
+``tests/analysis/test_continuation_solver.py`` (464 parameters after 40 steps, g = 0.5, float64, dense) H has
 eigenvalues from -3.4 to 7.3, 227 of them negative; MINRES at the former defaults (lambda = 1e-3, 30
 products) returned a tangent with cosine 0.02 with the dense solution while its relative residual
 (0.27) looked acceptable (0.085 after 300 products, cosine 0.15); only lambda ~ 1, where the damping

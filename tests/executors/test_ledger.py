@@ -293,7 +293,7 @@ def test_performance_doc_quotes_the_committed_ledger(capsys):
     and the README's are what `softprior report timings --from-bundle docs/results` computes from the
     ledger the committed bundle carries: no figure there is typed by hand."""
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / "docs" / "results" / "bundle" / "ledger.json").is_file():
         pytest.skip("no committed bundle ledger")
     capsys.readouterr()

@@ -535,7 +535,7 @@ def test_a_killed_sweep_resumes_its_group_from_the_checkpoint(tmp_path):
     cfgs = [tiny_config(path=p, seed=s, steps=400, eval_every=50)
             for s, p in enumerate(["unforced", "fade600", "prior_dropout0.5"])]
     killed = tmp_path / "killed"
-    script = _KILLED_SWEEP.format(tests=str(Path(__file__).parent), store=str(killed))
+    script = _KILLED_SWEEP.format(tests=str(Path(__file__).parents[1]), store=str(killed))
     p = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline, seen = time.time() + 300, None
     while time.time() < deadline and p.poll() is None:
@@ -625,7 +625,7 @@ def test_performance_doc_quotes_the_built_in_group_scaling():
     from pathlib import Path
 
     import softprior.executors.grouping as ex
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "PERFORMANCE.md").read_text()
     table = doc.split("Group scaling at 1 thread")[1].split("\n\n")[1]
     ks = [int(c.strip().removeprefix("K = ")) for c in table.splitlines()[0].strip("|").split("|")[1:]]
     for model, scaling in ex.GROUP_SCALING_BY_MODEL.items():

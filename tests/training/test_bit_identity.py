@@ -273,10 +273,11 @@ def test_the_avx2_build_gives_its_recorded_digests_and_the_readable_models_numbe
     if native_isa() != "avx512" or _signature()[:1] != SIGNATURE[:1]:
         pytest.skip(f"needs an AVX-512 host with torch {SIGNATURE[0]} to run the AVX2 build beside the native one")
     here = os.path.dirname(os.path.abspath(__file__))
+    kernels_tests = os.path.join(os.path.dirname(here), "kernels")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           os.path.join(here, "test_bit_identity.py") + "::test_fused_runs_are_bit_identical_to_the_recorded_reference",
-                          os.path.join(here, "test_kernels_step.py") + "::test_the_whole_step_equals_the_readable_model_in_float64",
-                          os.path.join(here, "test_kernels_step.py") + "::test_gradcheck_in_float64_for_every_parameter_and_both_gates"],
+                          os.path.join(kernels_tests, "test_kernels_step.py") + "::test_the_whole_step_equals_the_readable_model_in_float64",
+                          os.path.join(kernels_tests, "test_kernels_step.py") + "::test_gradcheck_in_float64_for_every_parameter_and_both_gates"],
                          env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, timeout=1200)
     tail = out.stdout.strip().splitlines()[-1:] or [out.stderr[-300:]]
     assert out.returncode == 0 and "skipped" not in tail[0], out.stdout[-3000:] + out.stderr[-2000:]

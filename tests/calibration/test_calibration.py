@@ -431,7 +431,7 @@ def test_record_sightings_are_append_only(tmp_path):
 
 
 # ------------------------------------------------------------------ git, the clock of the shipped records
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_records_precede_the_tables_computed_under_them():
