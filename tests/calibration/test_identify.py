@@ -316,22 +316,8 @@ def test_robustness_trains_the_fades_other_starts_and_shapes_on_the_wide_best_on
     assert more > base and trained == [4 * base, 3 * base + more, base + 3 * more]
 
 
-_EFFECT = """
-name = "tiny_effect"
-task = "assoc_recall"
-sampler = "grid"
-seeds = 2
-first_seeds = 1
-effect = true
-[base.task]
-keys = "replacement"
-layout = "pool"
-n_keys = 10
-n_pairs = 6
-[axes]
-"model.content_rank" = [0]
-"model.gate_logit_init" = [0.0, -2.0]
-"""
+# the same tiny space as an effect search (never a calibration)
+_EFFECT = _SPACE.replace('name = "tiny_identify"', 'name = "tiny_effect"').replace("identify = true", "effect = true")
 
 
 def test_an_effect_search_measures_the_trajectory_effect_in_its_own_store_and_shows_its_largest(tmp_path):
