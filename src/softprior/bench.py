@@ -320,7 +320,7 @@ def family_table(quick: bool = False, threads: int = 1, log=print) -> dict:
         n, reps = (2, 2) if quick else (10, 5)
         out = {}
         for family in PRIORS:
-            cfg, step = step_of(family)
+            cfg, step = (soft_cfg, soft) if family == "soft" else step_of(family)
             samples = {"soft": [], family: []}
             for _ in range(reps + 1):  # the first round warms up
                 samples["soft"].append(_time(soft, n))
