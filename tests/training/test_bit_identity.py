@@ -2,13 +2,13 @@
 
 ``SINGLE`` holds, for the base and large presets, all three tasks and four paths that exercise
 every per-step rule (learned gates, a scheduled gate, prior dropout, the dual loss), a digest of
-each run's final weights and logged metric rows, trained by ``loop.train`` with tiny step counts;
+each run's final weights and logged metric rows (the tables: ``digests.json``), trained by ``loop.train`` with tiny step counts;
 the test also trains the four paths in one group (``engine.train_group``) and holds each to the same
 digest (a run's numbers depend on its config alone; until then a group had digests of its own).
 
 How the reference was obtained: the digest procedure below (``_digest`` over ``_configs``) was run
 as a script on the code of commit c5ab45a (before any change of issue 15), with one torch thread,
-torch 2.13.0+cpu, on an x86_64 CPU with AVX512 (``SIGNATURE``), and its output pasted here. The
+torch 2.13.0+cpu, on an x86_64 CPU with AVX512 (``SIGNATURE``), and its output kept in digests.json. The
 numbers are the machine's: another CPU type or torch version may round differently (it is the same
 code either way), so there the test is skipped with that reason; on the recording machine it fails
 on any change of a single bit.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 
 import numpy as np
@@ -38,7 +39,11 @@ from softprior.training.engine import train_group
 from softprior.bench import AVX2_ENV  # the process env of an AVX2 machine on an AVX-512 host
 from softprior.training.loop import train
 
-SIGNATURE = ("2.13.0+cpu", "AVX512", "x86_64", "no AMX")  # the machine ``SINGLE`` was recorded on
+# Every digest table lives in digests.json beside this file (data, one table per recording machine):
+# "single" (``SIGNATURE``), "single_amx", "fused" and "fused_avx2", each with its signature.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "digests.json")) as _f:
+    DIGESTS = json.load(_f)
+SIGNATURE = tuple(DIGESTS["single"]["signature"])  # the machine ``SINGLE`` was recorded on
 KW = dict(steps=4, eval_every=2, n_val=16, batch_size=8, calibrated=False)  # the digests predate the calibration
 PATHS = ["unforced", "prior_dropout", "dual_loss", "linear0.5->0"]
 
@@ -53,65 +58,15 @@ PATHS = ["unforced", "prior_dropout", "dual_loss", "linear0.5->0"]
 # clipping acts (the old loop took the norm of per-tensor norms, the shared step one sum of squares
 # per run); the logged metrics differ in float32 rounding of the training-loss mean and of the
 # validation loss (one vmapped reduction for every K).
-SINGLE = {
-    "single/base/assoc_recall/dual_loss": "4f4d6b59ecd0329c",
-    "single/base/assoc_recall/linear0.5->0": "cc783a91ae3cbeda",
-    "single/base/assoc_recall/prior_dropout": "dfbfb472f24a5861",
-    "single/base/assoc_recall/unforced": "24754b4f3c95724b",
-    "single/base/linear_icl/dual_loss": "d91ab1de23a4dd45",
-    "single/base/linear_icl/linear0.5->0": "1fbc9e5b57f49e06",
-    "single/base/linear_icl/prior_dropout": "37e23cee9054a02d",
-    "single/base/linear_icl/unforced": "32438cf5106eb51d",
-    "single/base/markov/dual_loss": "64a4276b57cebd18",
-    "single/base/markov/linear0.5->0": "4ddf2f4c96b18bf1",
-    "single/base/markov/prior_dropout": "4ab6d16c0086d783",
-    "single/base/markov/unforced": "7853819375cf6631",
-    "single/large/assoc_recall/dual_loss": "675f5842f5d0f42a",
-    "single/large/assoc_recall/linear0.5->0": "35d1d2af10dc435f",
-    "single/large/assoc_recall/prior_dropout": "5434273897cf4f8b",
-    "single/large/assoc_recall/unforced": "8bf4bc6b1a82203a",
-    "single/large/linear_icl/dual_loss": "236e25f1f995df87",
-    "single/large/linear_icl/linear0.5->0": "4993c3cf1dc1d865",
-    "single/large/linear_icl/prior_dropout": "772d6c02e182e0c8",
-    "single/large/linear_icl/unforced": "24a214577ac4e6c8",
-    "single/large/markov/dual_loss": "28834e3573947e12",
-    "single/large/markov/linear0.5->0": "525c8a0ba17b8bc6",
-    "single/large/markov/prior_dropout": "ac2b1ae6b5e84983",
-    "single/large/markov/unforced": "0e113c74f7c7b7d7",
-}
+SINGLE = DIGESTS["single"]["digests"]
 
 
 # The same torch and the same vector width round differently on a CPU with AMX tiles (a Xeon of a later
 # generation: oneDNN/MKL pick other kernels), so the family is part of the signature. Recorded on
 # such a machine (torch 2.13.0+cpu, AVX512 + AMX, x86_64, one thread) at ee6a4a8, where the previous
 # family's digests all differ; the code was the same.
-SIGNATURE_AMX = ("2.13.0+cpu", "AVX512", "x86_64", "AMX")
-REFERENCE_AMX = {
-    "single/base/assoc_recall/dual_loss": "4d8a62c17631bc4e",
-    "single/base/assoc_recall/linear0.5->0": "9c9e3a53f3413940",
-    "single/base/assoc_recall/prior_dropout": "fd4eafadc826f265",
-    "single/base/assoc_recall/unforced": "336f384b6d96df7a",
-    "single/base/linear_icl/dual_loss": "1d5cb061a0dd132e",
-    "single/base/linear_icl/linear0.5->0": "1e8d2968582982f5",
-    "single/base/linear_icl/prior_dropout": "436be1bec1d851f3",
-    "single/base/linear_icl/unforced": "abd14a47149e21e6",
-    "single/base/markov/dual_loss": "0d918e76013bb291",
-    "single/base/markov/linear0.5->0": "7430da519376de2c",
-    "single/base/markov/prior_dropout": "24ba8684d1e67a86",
-    "single/base/markov/unforced": "f47b0ddd3446ab12",
-    "single/large/assoc_recall/dual_loss": "0e5aaba0a0729c57",
-    "single/large/assoc_recall/linear0.5->0": "e51d4a907262d2d0",
-    "single/large/assoc_recall/prior_dropout": "fb0ae8783d388456",
-    "single/large/assoc_recall/unforced": "e1d9837db36e7498",
-    "single/large/linear_icl/dual_loss": "9dee20763729c067",
-    "single/large/linear_icl/linear0.5->0": "bb2a261f2672f9dc",
-    "single/large/linear_icl/prior_dropout": "4b678f3a5a61ad98",
-    "single/large/linear_icl/unforced": "0e191722b546143b",
-    "single/large/markov/dual_loss": "60b2b95bdabba39d",
-    "single/large/markov/linear0.5->0": "191038b81e194736",
-    "single/large/markov/prior_dropout": "785b3c84b18b2cce",
-    "single/large/markov/unforced": "21cc375e044792f5"
-}
+SIGNATURE_AMX = tuple(DIGESTS["single_amx"]["signature"])
+REFERENCE_AMX = DIGESTS["single_amx"]["digests"]
 
 
 def _amx() -> str:
@@ -177,7 +132,7 @@ def test_runs_are_bit_identical_to_the_recorded_reference(preset, task, monkeypa
 
 # The same procedure with the fused operators (kernels/), which round otherwise than the pure-PyTorch
 # path above: recorded with one thread by running ``_digest`` over ``_configs`` for ``train`` and
-# ``train_group`` as the test below does, and pasted here, per ISA (issue: bits that do not depend on
+# ``train_group`` as the test below does, and kept in digests.json, per ISA (issue: bits that do not depend on
 # the ISA, or an ISA that is part of the record). The kernels are built for an ISA level with fixed
 # tuning (``kernels/build.py``), and their own bits are the same for the AVX2 and the AVX-512 build
 # (measured: equal digests with ATen's kernels held at one ISA); ATen's kernels and MKL's GEMM are
@@ -186,60 +141,10 @@ def test_runs_are_bit_identical_to_the_recorded_reference(preset, task, monkeypa
 # before, ``-march=native`` tuned for the build machine's model, which moved its FMA contractions).
 # ``FUSED_AVX2``: the same machine run as an AVX2 machine (``AVX2_ENV``: the kernels built for
 # x86-64-v3, ATen's kernels and MKL restricted to AVX2); ``test_the_avx2_build_...`` runs it there.
-FUSED = {
-    "single/base/assoc_recall/dual_loss": "628bfaf0e4769842",
-    "single/base/assoc_recall/linear0.5->0": "f4104dd125062af7",
-    "single/base/assoc_recall/prior_dropout": "69548f59aa2fa63c",
-    "single/base/assoc_recall/unforced": "3e886a4969bf2fc5",
-    "single/base/linear_icl/dual_loss": "38b843cfb257c706",
-    "single/base/linear_icl/linear0.5->0": "c6c9aaca8a0e0f2a",
-    "single/base/linear_icl/prior_dropout": "61343338e077f8e1",
-    "single/base/linear_icl/unforced": "e987931703b35fc2",
-    "single/base/markov/dual_loss": "1a32bd88414eb9d2",
-    "single/base/markov/linear0.5->0": "2d8fc78d3ccb190e",
-    "single/base/markov/prior_dropout": "f5f64e8f527b4ccc",
-    "single/base/markov/unforced": "a413e31e891c30da",
-    "single/large/assoc_recall/dual_loss": "6108fd97f605005b",
-    "single/large/assoc_recall/linear0.5->0": "3e4c5905ffecf870",
-    "single/large/assoc_recall/prior_dropout": "3cbdb10344b61c6f",
-    "single/large/assoc_recall/unforced": "374b2ed58281e544",
-    "single/large/linear_icl/dual_loss": "9140bb47b32c8204",
-    "single/large/linear_icl/linear0.5->0": "a833aef4cc58e10e",
-    "single/large/linear_icl/prior_dropout": "a57edb6539afae37",
-    "single/large/linear_icl/unforced": "15f3598830f9c581",
-    "single/large/markov/dual_loss": "314e1ea79cea2bee",
-    "single/large/markov/linear0.5->0": "b5da8e52d4b7ea60",
-    "single/large/markov/prior_dropout": "b2cb7ba737e3e15a",
-    "single/large/markov/unforced": "f507911484bec572",
-}
+FUSED = DIGESTS["fused"]["digests"]
 
-SIGNATURE_AVX2 = ("2.13.0+cpu", "AVX2", "x86_64", "no AMX")
-FUSED_AVX2 = {
-    "single/base/assoc_recall/dual_loss": "628bfaf0e4769842",
-    "single/base/assoc_recall/linear0.5->0": "f4104dd125062af7",
-    "single/base/assoc_recall/prior_dropout": "69548f59aa2fa63c",
-    "single/base/assoc_recall/unforced": "3e886a4969bf2fc5",
-    "single/base/linear_icl/dual_loss": "039d126e88a0ebe0",
-    "single/base/linear_icl/linear0.5->0": "67cbf47a7dfd8641",
-    "single/base/linear_icl/prior_dropout": "61657a5ad59a2209",
-    "single/base/linear_icl/unforced": "47084a3169f2956b",
-    "single/base/markov/dual_loss": "1a32bd88414eb9d2",
-    "single/base/markov/linear0.5->0": "2d8fc78d3ccb190e",
-    "single/base/markov/prior_dropout": "f5f64e8f527b4ccc",
-    "single/base/markov/unforced": "a413e31e891c30da",
-    "single/large/assoc_recall/dual_loss": "6108fd97f605005b",
-    "single/large/assoc_recall/linear0.5->0": "3e4c5905ffecf870",
-    "single/large/assoc_recall/prior_dropout": "3cbdb10344b61c6f",
-    "single/large/assoc_recall/unforced": "374b2ed58281e544",
-    "single/large/linear_icl/dual_loss": "34f501d32eefdafb",
-    "single/large/linear_icl/linear0.5->0": "b2b3013b5db18ab3",
-    "single/large/linear_icl/prior_dropout": "0aae7e374331f1c8",
-    "single/large/linear_icl/unforced": "4d5b7df0d3583dcd",
-    "single/large/markov/dual_loss": "314e1ea79cea2bee",
-    "single/large/markov/linear0.5->0": "b5da8e52d4b7ea60",
-    "single/large/markov/prior_dropout": "b2cb7ba737e3e15a",
-    "single/large/markov/unforced": "f507911484bec572",
-}
+SIGNATURE_AVX2 = tuple(DIGESTS["fused_avx2"]["signature"])
+FUSED_AVX2 = DIGESTS["fused_avx2"]["digests"]
 _FUSED_BY_SIGNATURE = {SIGNATURE: FUSED, SIGNATURE_AVX2: FUSED_AVX2}
 
 
@@ -265,7 +170,6 @@ def test_the_avx2_build_gives_its_recorded_digests_and_the_readable_models_numbe
     """On an AVX-512 host, the AVX2 build of the kernels (and ATen and MKL held to AVX2: ``AVX2_ENV``)
     in a fresh process: the whole step equals the readable model in float64 and every fused run gives
     ``FUSED_AVX2``'s digests."""
-    import os
     import subprocess
     import sys
 
