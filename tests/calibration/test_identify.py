@@ -142,6 +142,20 @@ def test_markov_identification_scores_the_papers_accuracy_at_each_p():
     assert {c.row.task["p"] for c in hard if c.row.path == "forced_zero"} == {0.2, 0.5, 0.8}
 
 
+
+def test_the_rows_a_search_measures_are_not_predictions_its_record_must_come_before():
+    """Markov's identification measures forced_zero at every p (the paper's static evidence: it stays
+    low), which its claims also read beside the fade; those runs exist before registration, so they are
+    not prediction rows. The fade at every p is, and nothing the search measured is."""
+    from softprior.calibration.robustness import prediction_rows
+    space = load_space("markov_identify")
+    searched = space.rows()
+    every = prediction_rows("markov", True, wide=True)
+    pred = prediction_rows("markov", True, wide=True, searched=searched)
+    assert {(r.path, r.task["p"]) for r in every if r not in pred} == {("forced_zero", p) for p in (0.2, 0.5, 0.8)}
+    assert {(r.path, r.task["p"]) for r in pred} == {("fade600", p) for p in (0.2, 0.5, 0.8)}
+    assert not [r for r in pred if r in searched]
+
 # ------------------------------------------------------------------ end to end (20 steps)
 _SPACE = """
 name = "tiny_identify"

@@ -51,13 +51,15 @@ def claim_rows(task: str, identify: bool = False, wide: bool = False) -> list[Ro
     return out
 
 
-def prediction_rows(task: str, identify: bool = False, wide: bool = False) -> list[Row]:
-    """The rows the map trains: those the claims read that the search did not train (its rows). None
-    for a task the paper's claims are not about (a plugin's: ``softprior study`` declares its own)."""
+def prediction_rows(task: str, identify: bool = False, wide: bool = False, searched=()) -> list[Row]:
+    """The rows the map trains: those the claims read that the search did not train (its rows: the
+    task's difficulty rows, and ``searched``, the rows a search space declares itself, such as Markov's
+    forced_zero at every p). None for a task the paper's claims are not about (a plugin's: ``softprior
+    study`` declares its own)."""
     rows = claim_rows(task, identify, wide)
     if not rows:
         return []
-    diff = difficulty_rows(task, identify)
+    diff = difficulty_rows(task, identify) + list(searched)
     return [r for r in rows if r not in diff]
 
 

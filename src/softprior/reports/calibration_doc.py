@@ -102,7 +102,7 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
                                  "yet: run the search with --budget first)")
     keys = []
     for c in members:
-        rows = prediction_rows(space.task, True, wide=True)
+        rows = prediction_rows(space.task, True, wide=True, searched=space.rows())  # the search's own rows are not predictions
         pred = candidate_configs(space, c.task_options, c.model_options, range(space.seeds), rows=rows, steps=steps)
         early = [cfg.run_id for _, _, cfg in pred if store.status(cfg.run_id) is not None]
         if early:
