@@ -426,3 +426,10 @@ def test_a_set_searched_but_not_registered_is_titled_so_and_shows_no_trajectory_
             assert text.startswith("## A further identification search, `assoc_recall_identify` (not registered)")
             assert "ROBUSTNESS" not in text and "### The trajectory claims" not in text and "| row | table |" in text
 
+
+
+def test_a_task_without_the_papers_length_test_has_no_length_reading():
+    """The length test (soft_bias at T = 120) is associative recall's row: a Markov record reads none,
+    and nothing is loaded for it (no store is needed)."""
+    from softprior.calibration.identify import length_reading
+    assert length_reading(load_space("markov_identify"), None, [object()]) == {}

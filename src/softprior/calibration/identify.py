@@ -237,7 +237,11 @@ def length_reading(space, store, members, seeds: int = 3, steps=None) -> dict:
     """Which reading of the paper's length test (soft_bias at T = 120: .263) the identified set supports:
     per reading, the mean over the members of their unforced accuracy at T = 120, and the reading
     nearest the paper's value. An identification row only (the same weights read three ways), decided
-    at registration and kept in the record; nothing is trained under it."""
+    at registration and kept in the record; nothing is trained under it. Empty where the paper has no
+    length test of the task (Markov: none)."""
+    from ..tiers import length_row
+    if length_row(space.task) is None:
+        return {}
     return _reading(space, [length_means(space, store, c, seeds, steps) for c in members])
 
 
