@@ -19,7 +19,7 @@ import json
 import math
 
 from ..cells import LENGTH_VARIANTS, length_view
-from ..tiers import MATCH_Z, rows_for
+from ..tiers import MATCH_Z, length_row, rows_for
 from .search import REGISTER_SEEDS, completed_file, with_completed
 
 __all__ = ["row_values", "matched_rows", "hard_ok", "identified", "identified_at",
@@ -239,7 +239,6 @@ def length_reading(space, store, members, seeds: int = 3, steps=None) -> dict:
     nearest the paper's value. An identification row only (the same weights read three ways), decided
     at registration and kept in the record; nothing is trained under it. Empty where the paper has no
     length test of the task (Markov: none)."""
-    from ..tiers import length_row
     if length_row(space.task) is None:
         return {}
     return _reading(space, [length_means(space, store, c, seeds, steps) for c in members])
@@ -247,7 +246,6 @@ def length_reading(space, store, members, seeds: int = 3, steps=None) -> dict:
 
 def _reading(space, per: list) -> dict:
     """``length_reading`` from the members' ``length_means`` (None where nothing is stored)."""
-    from ..tiers import length_row
     row = length_row(space.task)
     paper = row.paper if row is not None else None
     per = [m for m in per if m] if paper is not None else []
@@ -302,7 +300,8 @@ def results_section(space, store, cands, robustness: str, sensitivity: str, step
         return ""
     best = members[0]
     five = bool(identified_at(space, cands))
-    own = "The identified model" if space.name == f"{space.task}_identify" else f"The identified set of `{space.name}`"
+    own = (f"The identified model of `{space.task}`" if space.name == f"{space.task}_identify"
+           else f"The identified set of `{space.name}`")
     title = own if five else f"A further identification search, `{space.name}` (not registered)"
     lines = [f"## {title} (ours: `docs/CALIBRATION.md`, \"Identification\")", "",
              f"Search space `{space.name}` (digest `{space.digest}`): {sum(c.status != 'infeasible' for c in cands)} "
@@ -310,7 +309,8 @@ def results_section(space, store, cands, robustness: str, sensitivity: str, step
              f"{' measured on five seeds' if five else ' (not yet measured on five seeds: not registered)'}. "
              "Every identification row of the best one beside the paper's value (`src/softprior/tiers.py`):", "",
              f"Best identified configuration `{best.cid}`: {best.label}.", "", member_table(space, best), ""]
-    per = [length_means(space, store, c, steps=steps) for c in members]  # each member's runs read once
+    per = ([length_means(space, store, c, steps=steps) for c in members]  # each member's runs read once
+           if length_row(space.task) is not None else [None])  # no length test of the task (Markov)
     lm = per[0]
     if lm:
         lines += ["The row at T = 120 reads B^pos clipped past the training length. Its unforced runs under each "
