@@ -318,7 +318,7 @@ def _one_line_refusal(err, file):
 def test_shipped_records_verify_under_their_own_hash_scheme():
     from softprior.preregistration import all_shipped_records, record_hash
     recs = all_shipped_records()
-    assert len(recs) == 11
+    assert len(recs) == 13
     old = [r for r in recs if "hash_scheme" not in r]
     assert len(old) == 6  # written before v2: hash v1 (content and keys, not the time), their hashes unchanged
     assert all(record_hash(r) == r["hash"] for r in recs)
@@ -326,7 +326,9 @@ def test_shipped_records_verify_under_their_own_hash_scheme():
     v2 = {r["hash"]: r for r in recs if r.get("hash_scheme") == 2}  # the task-family records: their time is hashed
     assert set(v2) == {"8b3dafff745b0ccc", "5a07d4335cbcf438", "9669860e78b2d6c1",
                        "68b0d67b9dec5dca",  # the identified set of assoc_recall_identify
-                       "019209dafaa98e79"}  # and of the blocked regime (assoc_recall_blocked)
+                       "019209dafaa98e79",  # and of the blocked regime (assoc_recall_blocked)
+                       "cb0600fbd64b0168",  # the large identification (assoc_recall_large_identify)
+                       "e8ad890e79b2c665"}  # Markov's (markov_identify, shipped as identified-markov)
     for new in v2.values():
         assert record_hash({**new, "registered_at": "2020-01-01T00:00:00Z"}) != new["hash"]
         assert new["claims"] and all(c["conditions"] for c in new["claims"])  # the predicates, registered
