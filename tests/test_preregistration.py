@@ -144,7 +144,7 @@ def test_the_shipped_records_prove_their_age_in_this_checkout():
         pytest.skip("not a full git checkout")
     manifest = json.loads((repo / "docs/results/bundle/manifest.json").read_text())
     first = {h: v["first_row"] for h, v in manifest["records"].items()}
-    assert len(first) == 4  # the three task-family records and the identified set of assoc_recall_identify
+    assert len(first) == 5  # the three task-family records, the identified set and the blocked regime's map
     assert R.age_problems(first) == []
 
 
