@@ -320,7 +320,7 @@ def on_record_sections(results_dir: str | Path, doc: str | Path) -> list[str]:
 
 # what each shipped record of the cross-regime table is (a record not named here is shown by its name)
 REGIMES = {"identified-assoc_recall": "identified", "assoc_recall_blocked": "blocked constant gate",
-           "assoc_recall_large_identify": "large, identified", "markov_identify": "Markov, identified"}
+           "assoc_recall_large_identify": "large, identified", "identified-markov": "Markov, identified"}
 
 
 def _short(v: str) -> str:
