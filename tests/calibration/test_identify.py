@@ -155,6 +155,11 @@ def test_the_rows_a_search_measures_are_not_predictions_its_record_must_come_bef
     assert {(r.path, r.task["p"]) for r in every if r not in pred} == {("forced_zero", p) for p in (0.2, 0.5, 0.8)}
     assert {(r.path, r.task["p"]) for r in pred} == {("fade600", p) for p in (0.2, 0.5, 0.8)}
     assert not [r for r in pred if r in searched]
+    # one reading for the record and the map: a search space's own prediction rows
+    from softprior.calibration.robustness import space_prediction_rows
+    assert space_prediction_rows(space, wide=True) == pred
+    effect = load_space("assoc_recall_effect")  # an exploratory search measures the fade: its map counts it
+    assert any(r.path == "fade600" for r in space_prediction_rows(effect))
 
 # ------------------------------------------------------------------ end to end (20 steps)
 _SPACE = """

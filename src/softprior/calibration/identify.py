@@ -220,7 +220,10 @@ def length_variants(store, cfg, length: int = 120) -> dict[str, tuple[float, flo
 
 def length_means(space, store, c, seeds: int = 3, steps=None) -> dict[str, tuple[float, float]] | None:
     """One candidate's unforced runs at T = 120 under each of ``LENGTH_VARIANTS``: (mean accuracy over
-    the seeds stored, Bayes ceiling); None if none is stored."""
+    the seeds stored, Bayes ceiling); None if none is stored, or if the paper gives the task no length
+    test (Markov: nothing is read)."""
+    if length_row(space.task) is None:
+        return None
     from .search import candidate_configs
     from .criteria import Row
     from ..bundle import ask
@@ -239,8 +242,6 @@ def length_reading(space, store, members, seeds: int = 3, steps=None) -> dict:
     nearest the paper's value. An identification row only (the same weights read three ways), decided
     at registration and kept in the record; nothing is trained under it. Empty where the paper has no
     length test of the task (Markov: none)."""
-    if length_row(space.task) is None:
-        return {}
     return _reading(space, [length_means(space, store, c, seeds, steps) for c in members])
 
 
@@ -309,8 +310,7 @@ def results_section(space, store, cands, robustness: str, sensitivity: str, step
              f"{' measured on five seeds' if five else ' (not yet measured on five seeds: not registered)'}. "
              "Every identification row of the best one beside the paper's value (`src/softprior/tiers.py`):", "",
              f"Best identified configuration `{best.cid}`: {best.label}.", "", member_table(space, best), ""]
-    per = ([length_means(space, store, c, steps=steps) for c in members]  # each member's runs read once
-           if length_row(space.task) is not None else [None])  # no length test of the task (Markov)
+    per = [length_means(space, store, c, steps=steps) for c in members]  # each member's runs read once
     lm = per[0]
     if lm:
         lines += ["The row at T = 120 reads B^pos clipped past the training length. Its unforced runs under each "

@@ -21,7 +21,7 @@ from .criteria import Row, difficulty_rows
 from ..store.record_clock import store_records
 from .search import candidate_configs, ceiling
 
-__all__ = ["prediction_rows", "run_robustness", "claim_counts", "fade_row", "claim_rows"]
+__all__ = ["prediction_rows", "space_prediction_rows", "run_robustness", "claim_counts", "fade_row", "claim_rows"]
 
 
 # On an identified set the map decides every claim whose cells are base-model training rows; these two
@@ -61,6 +61,13 @@ def prediction_rows(task: str, identify: bool = False, wide: bool = False, searc
         return []
     diff = difficulty_rows(task, identify) + list(searched)
     return [r for r in rows if r not in diff]
+
+
+def space_prediction_rows(space, wide: bool = False) -> list[Row]:
+    """``prediction_rows`` of a search space: its task's, less (in an identification search) the rows the
+    space itself measures, which are identification rows there. An exploratory search (the effect
+    search) measures trajectory rows, and its map still counts them."""
+    return prediction_rows(space.task, space.identify, wide, searched=space.rows() if space.identify else ())
 
 
 def fade_row(task: str) -> Row:
@@ -108,7 +115,7 @@ def run_robustness(space, store, cands, *, executor="local", workers=1, group_si
     seeds = list(range(space.seeds))
     cfgs = []
     for i, c in enumerate(mapped(space, cands)):
-        rows = prediction_rows(space.task, space.identify, wide=space.identify and i < wide)
+        rows = space_prediction_rows(space, wide=space.identify and i < wide)
         cfgs += [cfg for _, _, cfg in candidate_configs(space, c.task_options, c.model_options, seeds,
                                                         rows=rows, steps=steps)]
     if all_fade and not space.identify:  # an identified set trains no trajectory row outside it

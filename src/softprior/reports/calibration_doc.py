@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..calibration.register import make_record
-from ..calibration.robustness import claim_counts, mapped, prediction_rows
+from ..calibration.robustness import claim_counts, mapped, prediction_rows, space_prediction_rows
 from ..calibration.search import candidate_configs
 from ..preregistration import CalibrationMissing, calibration_key
 from ..tiers import length_row
@@ -102,7 +102,7 @@ def register_identified(space, store, cands, *, steps=None, ship=False, doc=None
                                  "yet: run the search with --budget first)")
     keys = []
     for c in members:
-        rows = prediction_rows(space.task, True, wide=True, searched=space.rows())  # the search's own rows are not predictions
+        rows = space_prediction_rows(space, wide=True)  # the search's own rows are not predictions
         pred = candidate_configs(space, c.task_options, c.model_options, range(space.seeds), rows=rows, steps=steps)
         early = [cfg.run_id for _, _, cfg in pred if store.status(cfg.run_id) is not None]
         if early:
@@ -217,7 +217,7 @@ def robustness_block(space, store, cands, *, steps=None) -> str:
     what = ("the identified set" if space.identify else
             f"{'the passing ones' if passing else 'NO candidate passes: the nearest'}{', nearest ten' if len(passing) > 10 else ''}")
     lines = [f"Mapped configurations: {len(m)} ({what}); "
-             f"{_mapped_rows(prediction_rows(space.task, space.identify))} at {space.seeds} seeds.", "",
+             f"{_mapped_rows(space_prediction_rows(space))} at {space.seeds} seeds.", "",
              "| claim | predicate | holds in | of measured | per configuration |",
              "|---|---|---|---|---|"]
     mark = {True: "y", False: "n", "inconclusive": "~", None: "?"}
