@@ -172,6 +172,19 @@ def test_study_of_a_plugin_task_end_to_end(plugins, tmp_path):
     assert len(cfgs) == 2 * n_paths
 
 
+def test_the_map_trains_no_more_candidates_than_its_limit(plugins, tmp_path):
+    """--map 0: the second candidate keeps its search's two rows, and no path trains on it; a resumed study
+    with another limit is refused (its map would differ from the one its report shows)."""
+    from softprior.study import StudyError, run_study
+    plan, store, n_paths = _study("second_occurrence", "soft", tmp_path, resume=False, budget=2, map_limit=0)
+    assert len(store.rows()) == n_paths + 2
+    text = (plan.dir / "REPORT.md").read_text()
+    assert "Only the chosen candidate is mapped" in text and "on the 0 nearest other candidate(s)" in text
+    assert json.loads((plan.dir / "verdicts.json").read_text())["map_limit"] == 0
+    with pytest.raises(StudyError, match="map_limit"):
+        run_study(_tiny("second_occurrence", "soft", tmp_path, budget=2, map_limit=1), store, log=lambda m: None)
+
+
 def test_a_static_scheme_serves_as_a_removable_prior():
     """ALiBi's bias (Press et al. 2022: -m_h |i - j|, m_h = 2^(-8 (h+1) / H)) is B^pos under the gate."""
     from softprior.config import make_run_config

@@ -41,7 +41,7 @@ from .claims import Cond, PaperClaim, verdicts
 
 __all__ = ["StudyPlan", "run_study", "study_claims", "default_criteria", "study_space", "STUDY_PATHS",
            "StudyError", "write_verdicts", "atlas_names", "atlas_plans", "cell_finished", "run_atlas",
-           "ATLAS_TASKS", "ATLAS_SEEDS", "KEEP", "ANNEAL", "FAIL", "POSTHOC", "MARGIN"]
+           "ATLAS_TASKS", "ATLAS_SEEDS", "ATLAS_MAP", "MAP_LIMIT", "KEEP", "ANNEAL", "FAIL", "POSTHOC", "MARGIN"]
 
 # the paper's paths (Sec. 4) as the study trains them: (row label, path name at the paper's 3,600 steps)
 STUDY_PATHS = [("unforced", "unforced"), ("forced_zero", "forced_zero"), ("forced_const0.5", "forced_const0.5"),
@@ -54,6 +54,9 @@ PAPER_STEPS = 3600
 # .26 x ceiling between the fade and the late switch, .15 "near chance" and .3 for post hoc, with chance
 # .1 and a ceiling near .78) restated on the span: c + .7 (C - c) = .58 against .77 x .78 = .60, and so on.
 KEEP, ANNEAL, FAIL, POSTHOC, MARGIN, LEARNS = 0.7, 0.6, 0.2, 0.3, 0.26, 0.5
+# The robustness map's reach: the nearest other candidates it trains every path on (a study's default;
+# the atlas maps fewer, ATLAS_MAP, to fit twelve cells on a workstation: docs/STUDY.md, "The atlas").
+MAP_LIMIT = 10
 
 
 class StudyError(ValueError):
@@ -69,6 +72,7 @@ class StudyPlan:
     steps: int | None = None  # None: 3,600 (the paper's), or 60 with --quick
     seeds: int | None = None  # None: 3, or 2 with --quick
     budget: int | None = None  # candidates the search measures (None: 12, or 2 with --quick)
+    map_limit: int | None = None  # other candidates the robustness map covers (None: MAP_LIMIT)
     criteria: list | None = None  # the difficulty criteria the user states (None: the task's, else defaults)
     out: str = "study"
     executor: str = "local"
@@ -82,9 +86,10 @@ class StudyPlan:
         self.steps = self.steps or (60 if self.quick else PAPER_STEPS)
         self.seeds = self.seeds or (2 if self.quick else 3)
         self.budget = self.budget or (2 if self.quick else 12)
+        self.map_limit = MAP_LIMIT if self.map_limit is None else self.map_limit
         self.name = self.name or f"{self.task}-{self.prior}" + ("-quick" if self.quick else "")
-        if self.steps < 2 or self.seeds < 1 or self.budget < 1:
-            raise StudyError("study: --steps must be >= 2, --seeds and --budget >= 1")
+        if self.steps < 2 or self.seeds < 1 or self.budget < 1 or self.map_limit < 0:
+            raise StudyError("study: --steps must be >= 2, --seeds and --budget >= 1, --map >= 0")
 
     @property
     def dir(self) -> Path:
@@ -237,7 +242,8 @@ def _check_state(plan: StudyPlan, space: SearchSpace) -> None:
     """study.json: the study's settings; a resumed study must have the same ones (else StudyError)."""
     plan.dir.mkdir(parents=True, exist_ok=True)
     state = {"task": plan.task, "prior": plan.prior, "steps": plan.steps, "seeds": plan.seeds,
-             "space": space.name, "space_digest": space.digest, "paths": [list(p) for p in plan.paths]}
+             "map_limit": plan.map_limit, "space": space.name, "space_digest": space.digest,
+             "paths": [list(p) for p in plan.paths]}
     f = plan.dir / "study.json"
     if f.exists():
         old = json.loads(f.read_text())
@@ -318,7 +324,7 @@ def run_study(plan: StudyPlan, store, log=print) -> Path:
     main_rows = row_configs(space, chosen, plan, seeds, snapshots=True)
     log(f"study {plan.name}: 3/5 paths ({len(main_rows)} runs on candidate {chosen.cid})")
     _execute(plan, store, [cfg for _, _, cfg in main_rows], log)
-    others = [c for c in mapped(space, cands) if c.cid != chosen.cid]
+    others = [c for c in mapped(space, cands, limit=plan.map_limit + 1) if c.cid != chosen.cid][:plan.map_limit]
     map_rows = {c.cid: row_configs(space, c, plan, seeds) for c in others}
     log(f"study {plan.name}: 4/5 robustness map ({len(others)} other candidate(s))")
     _execute(plan, store, [cfg for rows in map_rows.values() for _, _, cfg in rows], log, registered=False)
@@ -370,7 +376,8 @@ def write_verdicts(plan: StudyPlan, store, rec: dict, chosen, claims: list[Paper
         out.append({"name": cl.name, "statement": cl.statement, "paper": cl.paper, "verdict": v, "evidence": ev,
                     "conditions": conds})
     body = {"study": plan.name, "task": plan.task, "prior": plan.prior, "steps": plan.steps, "seeds": plan.seeds,
-            "budget": plan.budget, "quick": plan.quick, "metric": levels[0], "chance": _num(levels[1]),
+            "budget": plan.budget, "map_limit": plan.map_limit, "quick": plan.quick, "metric": levels[0],
+            "chance": _num(levels[1]),
             "ceiling": _num(levels[2]), "record": rec["hash"], "registered_at": rec.get("registered_at"),
             "preregistered_at": prereg.get("written_at"), "first_prediction_row_at": _utc(first),
             "candidate": chosen.cid, "task_options": rec.get("task_options"), "model_options": rec.get("model_options"),
@@ -417,6 +424,7 @@ def load_criteria(path: str) -> list[Criterion]:
 # ---------------------------------------------------------------------------------------------- the atlas
 ATLAS_TASKS = ("assoc_recall", "markov")  # associative recall and Markov induction
 ATLAS_SEEDS = 5
+ATLAS_MAP = 3  # the atlas's robustness map: the three nearest other candidates (MAP_LIMIT's comment)
 
 
 def atlas_names(priors: list[str] | None, tasks: list[str] | None) -> tuple[list[str], list[str]]:
@@ -439,12 +447,13 @@ def atlas_plans(priors: list[str], tasks: list[str], **study) -> list[StudyPlan]
     """One study per (prior, task), prior by prior: named ``atlas-TASK-PRIOR`` (-quick with --quick), so
     that its search, record and directory are the atlas's own, apart from any ``softprior study`` of the
     same pair; ``study``: the StudyPlan fields every cell shares (seeds default ``ATLAS_SEEDS``, the study's with --quick)."""
-    study = {**study, "seeds": study.get("seeds") or (None if study.get("quick") else ATLAS_SEEDS)}
+    study = {**study, "seeds": study.get("seeds") or (None if study.get("quick") else ATLAS_SEEDS),
+             "map_limit": ATLAS_MAP if study.get("map_limit") is None else study["map_limit"]}
     return [StudyPlan(task=t, prior=p, name=f"atlas-{t}-{p}" + ("-quick" if study.get("quick") else ""), **study)
             for p in priors for t in tasks]
 
 
-_CELL_KEYS = ("task", "prior", "steps", "seeds", "budget", "quick")
+_CELL_KEYS = ("task", "prior", "steps", "seeds", "budget", "map_limit", "quick")
 
 
 def cell_finished(plan: StudyPlan, copy: Path | None = None) -> Path | None:

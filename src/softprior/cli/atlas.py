@@ -25,14 +25,14 @@ def cmd_atlas(args) -> int:
     priors, tasks = atlas_names(_names(args.priors), _names(args.tasks))
     _check_executor(args)
     plans = atlas_plans(priors, tasks, quick=args.quick, steps=args.steps, seeds=args.seeds, budget=args.budget,
-                        out=args.out, executor=args.executor, workers=args.workers, group_size=args.group,
-                        address=args.address)
+                        map_limit=args.map_limit, out=args.out, executor=args.executor, workers=args.workers,
+                        group_size=args.group, address=args.address)
     cmd = ("softprior atlas" + "".join(f" --plugin {p}" for p in args.plugin or [])
            + (" --quick" if args.quick else "") + f" --steps {plans[0].steps} --seeds {plans[0].seeds}"
-           + (f" --budget {plans[0].budget}"))
+           + f" --budget {plans[0].budget} --map {plans[0].map_limit}")
     note_atlas(args.doc, priors, tasks, [c.name for c in study_claims("acc", 0.0, 1.0)],
-               {"steps": plans[0].steps, "seeds": plans[0].seeds, "budget": plans[0].budget, "quick": args.quick,
-                "command": cmd})
+               {"steps": plans[0].steps, "seeds": plans[0].seeds, "budget": plans[0].budget,
+                "map_limit": plans[0].map_limit, "quick": args.quick, "command": cmd})
     started = time.time()
     store = _store(args)
     write_atlas(args.doc)  # the cells not yet run shown as such from the start
@@ -55,6 +55,8 @@ def _add_atlas_parser(sub) -> None:
     s.add_argument("--seeds", type=_at_least_one, default=None, help="seeds per row (default 5; 2 with --quick)")
     s.add_argument("--budget", type=int, default=None, help="candidates each cell's difficulty search measures "
                    "(default 12, 2 with --quick)")
+    s.add_argument("--map", type=int, default=None, dest="map_limit", help="other candidates each cell's robustness "
+                   "map trains every path on, nearest first (default 3)")
     s.add_argument("--out", default="atlas", help="where each cell's study goes, OUT/atlas-TASK-PRIOR/ (default ./atlas)")
     s.add_argument("--doc", default="docs/ATLAS.md", help="the document (default docs/ATLAS.md); its data and figure "
                    "go to atlas/ beside it (cells/TASK-PRIOR.json, atlas.json, atlas.png)")

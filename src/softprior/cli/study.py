@@ -14,7 +14,8 @@ def cmd_study(args) -> int:
     from ..study import StudyPlan, load_criteria, run_study
     _check_executor(args)
     plan = StudyPlan(task=args.task, prior=args.prior, name=args.name or "", quick=args.quick, steps=args.steps,
-                     seeds=args.seeds, budget=args.budget, out=args.out, executor=args.executor,
+                     seeds=args.seeds, budget=args.budget, map_limit=args.map_limit, out=args.out,
+                     executor=args.executor,
                      criteria=load_criteria(args.criteria) if args.criteria else None, workers=args.workers,
                      group_size=args.group, address=args.address)
     started = time.time()
@@ -37,6 +38,8 @@ def _add_study_parser(sub) -> None:
     s.add_argument("--steps", type=int, default=None, help="steps per run (default 3600; the paths are scaled)")
     s.add_argument("--seeds", type=int, default=None, help="seeds per row (default 3)")
     s.add_argument("--budget", type=int, default=None, help="candidates the difficulty search measures (default 12)")
+    s.add_argument("--map", type=int, default=None, dest="map_limit", help="other candidates the robustness map trains "
+                   "every path on, nearest first (default 10)")
     s.add_argument("--criteria", default=None, help="a .json/.toml file of difficulty criteria (default: the "
                    "task's own if a plugin declares them, else: the prior-on path learns, the no-prior path does not)")
     s.add_argument("--out", default="study", help="where study/NAME/ goes (default ./study)")

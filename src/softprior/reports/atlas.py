@@ -144,7 +144,9 @@ def write_atlas(doc) -> Path:
           f"{d.name}/; `softprior atlas --report-only` rewrites it from them, no store needed -->", "",
           "Every registered prior family on each task: each cell is one `softprior study` (docs/STUDY.md), its own "
           "difficulty search, pre-registration, the paths and the robustness map, and its verdicts on intervals over "
-          f"seeds. `{cmd}`" + (f": {steps} steps per run, {seeds} seed(s) per row." if steps else "."), "",
+          f"seeds. `{cmd}`" + (f": {steps} steps per run, {seeds} seed(s) per row." if steps else ".")
+          + (f" Each cell's robustness map covers its {settings['map_limit']} nearest other candidate(s)."
+             if settings.get("map_limit") is not None else ""), "",
           f"{n_run} of {len(priors) * len(tasks)} cell(s) run." + (
               " **A --quick atlas: too few steps and seeds for its verdicts to mean much.**" if settings.get("quick")
               else ""), "",

@@ -175,6 +175,7 @@ def write_report(plan, store, space, cands, rec, chosen, claims, levels, main_ro
           "## 3. The paths", "", f"On the chosen candidate `{chosen.cid}` ({chosen.label or 'no axes'}):", "",
           _numbers(plan, store, main_rows), "",
           "## 4. The robustness map", "",
+          f"The paths on the {plan.map_limit} nearest other candidate(s) at most (`--map`).", "",
           _map_table(claims, chosen, main, mapped) if mapped else
           "Only the chosen candidate is mapped (no other passing, or completed nearest, candidate).", "",
           "## 5. Figures", "", *_figures(plan, store, main_rows, levels), "",
