@@ -49,12 +49,20 @@ class Constant(_Frozen):
         return f"{self.value:g} throughout"
 
 
-class Linear(_Frozen):
+class _Ramp(_Frozen):
+    """A schedule from start_value to end_value: g = start_value + (end_value - start_value) * f, f in [0, 1]."""
+
+    start_value: float = Field(0.5, ge=0.0, le=1.0)
+    end_value: float = Field(0.0, ge=0.0, le=1.0)
+
+    def _at(self, f: float) -> float:
+        return self.start_value + (self.end_value - self.start_value) * f
+
+
+class Linear(_Ramp):
     """Linear from start_value at start_step to end_value at end_step (default: the final step)."""
 
     kind: Literal["linear"] = "linear"
-    start_value: float = Field(0.5, ge=0.0, le=1.0)
-    end_value: float = Field(0.0, ge=0.0, le=1.0)
     start_step: int = Field(0, ge=0)
     end_step: int | None = Field(None, ge=1, description="None means the run's final step")
 
@@ -64,8 +72,7 @@ class Linear(_Frozen):
             return self.start_value
         if step >= end:
             return self.end_value
-        u = (step - self.start_step) / (end - self.start_step)
-        return self.start_value + (self.end_value - self.start_value) * u
+        return self._at((step - self.start_step) / (end - self.start_step))
 
     @property
     def settles_at(self) -> int | None:
@@ -76,12 +83,10 @@ class Linear(_Frozen):
         return f"linear {self.start_value:g} -> {self.end_value:g} from step {self.start_step} to {end}"
 
 
-class Fade(_Frozen):
+class Fade(_Ramp):
     """Hold start_value until start_step, fade to end_value over `width` steps, then hold."""
 
     kind: Literal["fade"] = "fade"
-    start_value: float = Field(0.5, ge=0.0, le=1.0)
-    end_value: float = Field(0.0, ge=0.0, le=1.0)
     start_step: int = Field(600, ge=0)
     width: int = Field(450, ge=1)
     shape: Literal["linear", "cosine", "convex", "concave", "two_step"] = "linear"
@@ -98,7 +103,7 @@ class Fade(_Frozen):
             f = u * u
         else:  # two_step
             f = 0.0 if u < 0.5 else (0.5 if u < 1.0 else 1.0)
-        return self.start_value + (self.end_value - self.start_value) * f
+        return self._at(f)
 
     @property
     def end_step(self) -> int:

@@ -69,10 +69,9 @@ def cmd_export(args) -> int:
     store = _store(args, read_only=True)
     cfg, model = store.load_model(args.run_id)
     path = export_transformer_lens(model, _export_path(args.out, cfg.run_id), gates=gates, n_ctx=args.n_ctx)
-    print(f"wrote {path} (TransformerLens config + state dict and prior of run {cfg.run_id}, "
-          f"inputs up to {args.n_ctx or cfg.model.n_ctx} tokens); load it into a HookedTransformer with:\n"
-          f"from softprior.interop import load_transformer_lens\n"
-          f"model = load_transformer_lens({str(path)!r})")
+    load = f"from softprior.interop import load_transformer_lens\nmodel = load_transformer_lens({str(path)!r})"
+    print(f"wrote {path} (TransformerLens config + state dict and prior of run {cfg.run_id}, inputs up to "
+          f"{args.n_ctx or cfg.model.n_ctx} tokens); load it into a HookedTransformer with:\n{load}")
     return 0
 
 

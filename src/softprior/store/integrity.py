@@ -141,22 +141,23 @@ class VerifyReport:
                        f"({', '.join(self.refused_records)})" + ("" if self.records_moved or self.rebuilt is not None
                                                                 else "; `softprior store verify --repair` moves the "
                                                                 "store's aside to damaged/calibration/"))
-        if self.unverified:
-            out.append(f"note: {len(self.unverified)} finished run(s) have no recorded checksums (written before "
-                       "checksums were recorded): checked for readability only")
-        if self.unfinished:
-            out.append(f"note: {len(self.unfinished)} run director(y/ies) without a finished run (in progress, failed "
-                       f"or never committed; a sweep trains them): {', '.join(self.unfinished)}")
-        if self.rebuilt is not None:
-            out.append(f"repaired: index rebuilt from the run directories ({self.rebuilt} finished runs indexed; "
-                       "the damaged index was kept as index.sqlite.damaged.*)")
-        if self.requeued:
-            out.append(f"repaired: re-queued {len(self.requeued)} damaged run(s) ({', '.join(self.requeued)}): "
-                       "records deleted, files moved to damaged/; the next reproduce or train retrains them")
-        if self.records_moved:
-            out.append(f"repaired: moved {len(self.records_moved)} refused calibration record(s) to "
-                       f"damaged/calibration/ ({', '.join(self.records_moved)})")
-        return out
+        return out + self._notes()
+
+    def _notes(self) -> list[str]:
+        """The lines after the problems: what was read without checksums or left unfinished, and the repairs."""
+        def listed(items, what):
+            return f"{len(items)} {what} ({', '.join(items)})"
+        rows = [(self.unverified, lambda: f"note: {len(self.unverified)} finished run(s) have no recorded checksums "
+                 "(written before checksums were recorded): checked for readability only"),
+                (self.unfinished, lambda: f"note: {listed(self.unfinished, 'run director(y/ies) without a finished run')}:"
+                 " in progress, failed or never committed; a sweep trains them"),
+                (self.rebuilt is not None, lambda: f"repaired: index rebuilt from the run directories ({self.rebuilt} "
+                 "finished runs indexed; the damaged index was kept as index.sqlite.damaged.*)"),
+                (self.requeued, lambda: f"repaired: re-queued {listed(self.requeued, 'damaged run(s)')}: records "
+                 "deleted, files moved to damaged/; the next reproduce or train retrains them"),
+                (self.records_moved, lambda: f"repaired: moved {listed(self.records_moved, 'refused calibration record(s)')}"
+                 " to damaged/calibration/")]
+        return [line() for applies, line in rows if applies]
 
 
 # ------------------------------------------------------------------------------------ reading the index
