@@ -47,10 +47,34 @@ def test_a_tiny_atlas_runs_every_cell_and_writes_the_document(atlas):
         assert v["first_prediction_row_at"] >= v["preregistered_at"]  # the claims were written before any path trained
         cell = json.loads((doc.parent / "atlas" / "cells" / f"assoc_recall-{plan.prior}.json").read_text())
         assert cell == v
+        # the traits: the fade's window scaled to the 4 steps, one unforced model per seed profiled
+        tr = v["traits"]
+        assert v["format"] == 2 and 0 <= tr["fade_window"][0] < tr["fade_window"][1] <= 4
+        (one,) = tr["seeds"]
+        assert one["seed"] == 0 and 0 < one["uniform"] <= one["locality"] + 1 and 0 <= one["locality"] <= 1
+        assert one["strength"] >= 0
     text = doc.read_text()
     assert "2 of 2 cell(s) run" in text and "| soft | assoc_recall |" in text and "| alibi | assoc_recall |" in text
     assert "| prior | task | ceiling | record | fade zero-gate | prior helps | unforced relies | fade keeps |" in text
     assert (doc.parent / "atlas" / "atlas.png").stat().st_size > 0
+    assert "## What distinguishes the cells" in text and "| locality (no prior) | strength |" in text
+
+
+def test_a_cell_an_older_version_wrote_is_rewritten_without_training(atlas, capsys):
+    tmp, store, doc, plans, _ = atlas
+    plan = plans[0]
+    old = json.loads((plan.dir / "verdicts.json").read_text())
+    legacy = {k: v for k, v in old.items() if k not in ("format", "traits")}
+    for f in (plan.dir / "verdicts.json", doc.parent / "atlas" / "cells" / f"assoc_recall-{plan.prior}.json"):
+        f.write_text(json.dumps(legacy))
+    before = len(store.rows())
+    capsys.readouterr()
+    assert _cli(tmp) == 0
+    out = capsys.readouterr().out
+    assert "cell 1/2: soft x assoc_recall: finished before; its verdicts rewritten" in out
+    assert "cell 2/2: alibi x assoc_recall: finished before (" in out and len(store.rows()) == before
+    cell = json.loads((doc.parent / "atlas" / "cells" / f"assoc_recall-{plan.prior}.json").read_text())
+    assert cell["traits"] == old["traits"] and cell["claims"] == old["claims"]
 
 
 def test_running_it_again_trains_nothing(atlas, capsys):
@@ -74,6 +98,10 @@ def test_the_document_regenerates_from_its_files_alone(atlas, tmp_path):
     assert not (tmp_path / "no-store").exists()
     assert (copy / "ATLAS.md").read_text() == doc.read_text()
     assert (copy / "atlas" / "atlas.png").read_bytes() == (doc.parent / "atlas" / "atlas.png").read_bytes()
+    # the notes written by hand beside the cells enter the document
+    (copy / "atlas" / "NOTES.md").write_text("No family keeps its circuit along the fade.\n")
+    assert main(["atlas", "--report-only", "--doc", str(copy / "ATLAS.md")]) == 0
+    assert "## Notes\n\nNo family keeps its circuit along the fade.\n" in (copy / "ATLAS.md").read_text()
     # a prior the atlas names but no cell of: "not run"
     settings = json.loads((copy / "atlas" / "atlas.json").read_text())
     (copy / "atlas" / "atlas.json").write_text(json.dumps({**settings, "priors": settings["priors"] + ["t5"]}))

@@ -41,7 +41,7 @@ from .claims import Cond, PaperClaim, verdicts
 
 __all__ = ["StudyPlan", "run_study", "study_claims", "default_criteria", "study_space", "STUDY_PATHS",
            "StudyError", "write_verdicts", "atlas_names", "atlas_plans", "cell_finished", "run_atlas",
-           "ATLAS_TASKS", "ATLAS_SEEDS", "ATLAS_MAP", "MAP_LIMIT", "KEEP", "ANNEAL", "FAIL", "POSTHOC", "MARGIN"]
+           "ATLAS_TASKS", "ATLAS_SEEDS", "ATLAS_MAP", "VERDICTS_FORMAT", "traits", "MAP_LIMIT", "KEEP", "ANNEAL", "FAIL", "POSTHOC", "MARGIN"]
 
 # the paper's paths (Sec. 4) as the study trains them: (row label, path name at the paper's 3,600 steps)
 STUDY_PATHS = [("unforced", "unforced"), ("forced_zero", "forced_zero"), ("forced_const0.5", "forced_const0.5"),
@@ -350,6 +350,34 @@ def _utc(t: float | None) -> str | None:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else None
 
 
+VERDICTS_FORMAT = 2  # 2: with the cell's traits (``traits``); a finished atlas cell of format 1 is rewritten
+
+
+def traits(plan: StudyPlan, store, main_rows, levels: tuple) -> dict:
+    """What the atlas compares across cells (docs/STUDY.md, "The atlas"): the trained unforced models'
+    prior at their own gates (``analysis.mechanism.prior_profile``: locality and strength, per seed),
+    the step at which each one's circuit forms (``cells.formation_step``: its normal metric past the
+    study's "learns" level, accuracy tasks only; None: never) and the fade's window at the study's
+    budget (the steps where the gate starts and ends its fall)."""
+    from .analysis.mechanism import prior_profile
+    from .cells import formation_step
+    from .paths import get_path
+    from .tasks.generators import make_task
+    metric, chance, ceiling = levels
+    fade = _at_budget(get_path(dict(plan.paths)["fade600"]), plan.steps).pos.schedule
+    out = {"fade_window": [fade.start_step, fade.end_step], "learns_level": _num(_level(chance, ceiling, LEARNS)),
+           "seeds": []}
+    for label, seed, cfg in main_rows:
+        if label != "unforced" or not store.is_done(cfg.run_id):
+            continue
+        _, model = store.load_model(cfg.run_id)
+        prof = prior_profile(model, cfg.validation_batch(make_task(cfg.task), n=1).inputs)
+        forms = formation_step(store.metrics(cfg.run_id), metric, _level(chance, ceiling, LEARNS)) \
+            if metric == "acc" else None
+        out["seeds"].append({"seed": seed, "formation_step": forms, **{k: _num(v) for k, v in prof.items()}})
+    return out
+
+
 def write_verdicts(plan: StudyPlan, store, rec: dict, chosen, claims: list[PaperClaim], levels: tuple,
                    main_rows) -> Path:
     """``plan.dir/verdicts.json``, beside REPORT.md: the study's verdicts as data (what ``softprior atlas``
@@ -381,7 +409,8 @@ def write_verdicts(plan: StudyPlan, store, rec: dict, chosen, claims: list[Paper
             "ceiling": _num(levels[2]), "record": rec["hash"], "registered_at": rec.get("registered_at"),
             "preregistered_at": prereg.get("written_at"), "first_prediction_row_at": _utc(first),
             "candidate": chosen.cid, "task_options": rec.get("task_options"), "model_options": rec.get("model_options"),
-            "fade_zero": _num(fade) if fade is not None else None, "paths": paths, "claims": out}
+            "fade_zero": _num(fade) if fade is not None else None, "paths": paths, "claims": out,
+            "format": VERDICTS_FORMAT, "traits": traits(plan, store, main_rows, levels)}
     f = plan.dir / "verdicts.json"
     f.write_text(json.dumps(body, indent=1, sort_keys=True))
     return f
@@ -471,7 +500,9 @@ def run_atlas(plans: list[StudyPlan], store, cells_dir: Path, on_cell=None, log=
     """Every cell's study (``run_study``, its stages as they are), skipping the cells already finished
     (``cell_finished``); each finished cell's ``verdicts.json`` copied to ``cells_dir/TASK-PRIOR.json``
     (what the atlas document reads), then, where that file changed, ``on_cell()`` (the document rewritten). Killed, it resumes: a
-    finished cell is kept, an unfinished one resumes within its study. Returns the cells' files."""
+    finished cell is kept (one whose verdicts an older version wrote is rewritten from its study's runs,
+    nothing trained, where its study directory is here), an unfinished one resumes within its study.
+    Returns the cells' files."""
     cells_dir = Path(cells_dir)
     cells_dir.mkdir(parents=True, exist_ok=True)
     out = []
@@ -479,7 +510,12 @@ def run_atlas(plans: list[StudyPlan], store, cells_dir: Path, on_cell=None, log=
         tag = f"cell {i}/{len(plans)}: {plan.prior} x {plan.task}"
         copy = cells_dir / f"{plan.task}-{plan.prior}.json"
         done = cell_finished(plan, copy)
-        if done:
+        stale = done is not None and json.loads(done.read_text()).get("format", 1) < VERDICTS_FORMAT
+        if stale and (plan.dir / "study.json").is_file():
+            log(f"{tag}: finished before; its verdicts rewritten in this version's format from the store (no training)")
+            run_study(plan, store, log=lambda m: None)
+            done = plan.dir / "verdicts.json"
+        elif done:
             log(f"{tag}: finished before ({done}), not rerun")
         else:
             log(f"{tag} ({plan.steps} steps, {plan.seeds} seed(s), budget {plan.budget}) ...")

@@ -222,6 +222,24 @@ def test_previous_token_score():
     torch.testing.assert_close(s[0, 3], torch.tensor(uniform), rtol=1e-5, atol=1e-7)
 
 
+def test_prior_profile_by_hand():
+    """One layer, every head's table 2 ln 3 at offset 0 and 0 elsewhere, at g_pos = .5: g B = ln 3 on the
+    query's own key. Over T = 3: query 1 puts 3/4 on itself and 1/4 on key 0, both within {i, i - 1}:
+    locality 1; query 2 puts 3/5 on itself and 1/5 on each other key: 4/5 on {2, 1}. Mean (1 + .8) / 2 =
+    .9 against no prior's (2/2 + 2/3) / 2 = 5/6; the range of g B over each query's keys: ln 3."""
+    m = positional_model({})
+    with torch.no_grad():
+        m.blocks[0].attn.pos_bias[:, 0] = 2 * math.log(3)
+    x = torch.zeros(2, 3, dtype=torch.long)
+    prof = A.prior_profile(m, x, gate_pos=0.5)
+    assert prof["locality"] == pytest.approx(0.9, abs=1e-6)
+    assert prof["uniform"] == pytest.approx(5 / 6, abs=1e-6)
+    assert prof["strength"] == pytest.approx(math.log(3), abs=1e-6)
+    # at zero gate the prior gives nothing: no prior's locality, no range
+    zero = A.prior_profile(m, x, gate_pos=0.0)
+    assert zero["locality"] == pytest.approx(5 / 6, abs=1e-6) and zero["strength"] == 0.0
+
+
 def test_induction_score():
     n = 6
     m = positional_model({0: n - 1, 1: 1})

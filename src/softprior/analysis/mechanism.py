@@ -31,7 +31,7 @@ from ..model.transformer import SoftPriorTransformer
 
 __all__ = ["attention_patterns", "head_value_contributions", "answer_mask", "successor_value_mass",
            "mean_ablation", "ablation_importance", "previous_token_score", "induction_score",
-           "repeated_random_tokens", "trace", "summarise_trace", "trace_matrix"]
+           "repeated_random_tokens", "trace", "summarise_trace", "trace_matrix", "prior_profile"]
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -237,6 +237,38 @@ def induction_score(model: SoftPriorTransformer, inputs: torch.Tensor | None = N
 
 
 # ------------------------------------------------------------------------------------ traces
+def prior_profile(model: SoftPriorTransformer, inputs: torch.Tensor, gate_pos=None) -> dict:
+    """How local and how strong the positional prior is as the model applies it (docs/STUDY.md, "The
+    atlas"): per layer of ``cfg.prior_layers`` and head, the gated bias g_pos B^pos (``hook_pos_bias``,
+    at the model's own gate unless ``gate_pos`` forces one) read over each query's causal keys j <= i:
+
+    - locality: the attention the gated prior alone would give (softmax over j of g_pos B^pos_ij) on the
+      query's own and the previous key, j in {i, i - 1}; no prior gives 2 / (i + 1);
+    - strength: the range max_j - min_j of g_pos B^pos_ij, in logits;
+
+    each the mean over queries i >= 1, heads and those layers. ``inputs``: one batch the model reads
+    (only its length matters; B^pos is the same for every example). {"locality", "strength",
+    "uniform"}: ``uniform``, the locality of no prior at this length."""
+    layers = [_check_layer(model, l) for l in model.cfg.prior_layers] if model.cfg.prior else []
+    names = [f"blocks.{l}.attn.hook_pos_bias" for l in layers]
+    _, cache = _run(model, inputs[:1], names, gate_pos=gate_pos)
+    g, _ = model.gates(gate_pos)
+    T = inputs.shape[1]
+    i = torch.arange(1, T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    loc, rng = [], []
+    for l, name in zip(layers, names):
+        gb = g[l].detach()[:, None, None] * cache[name].detach().float()  # [H, T, T]
+        p = gb.masked_fill(~causal, float("-inf")).softmax(-1)
+        loc.append((p[:, i, i] + p[:, i, i - 1]).mean())
+        rng.append((gb.masked_fill(~causal, float("-inf")).amax(-1)
+                    - gb.masked_fill(~causal, float("inf")).amin(-1))[:, 1:].mean())
+    uniform = float((2.0 / (i + 1.0)).mean())
+    if not layers:
+        return {"locality": uniform, "strength": 0.0, "uniform": uniform}
+    return {"locality": float(torch.stack(loc).mean()), "strength": float(torch.stack(rng).mean()), "uniform": uniform}
+
+
 def _strip_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Accept plain model state dicts and a single run's checkpoint tensors (``model.`` prefix, each
     stacked on a run dimension of 1 by ``loop.checkpoint``)."""

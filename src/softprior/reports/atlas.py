@@ -1,7 +1,8 @@
 """The removability atlas (``softprior atlas``; docs/STUDY.md, "The atlas"): ``docs/ATLAS.md`` and its figure
 ``docs/atlas/atlas.png``, written from files alone, no store: the atlas's settings (``atlas/atlas.json``)
 and each finished cell's verdicts (``atlas/cells/TASK-PRIOR.json``, a copy of its study's
-``verdicts.json``, ``softprior.study.write_verdicts``). A cell with no file is shown as "not run"."""
+``verdicts.json``, ``softprior.study.write_verdicts``), with ``atlas/NOTES.md``, the atlas's notes written by
+hand, where it exists. A cell with no file is shown as "not run"."""
 
 from __future__ import annotations
 
@@ -126,6 +127,39 @@ def _figure(path: Path, priors, tasks, claims, cells) -> None:
     plt.close(fig)
 
 
+def _options(b: dict) -> str:
+    """The cell's chosen configuration, compactly: its record's task and model options but the family."""
+    opts = {**(b.get("task_options") or {}), **(b.get("model_options") or {})}
+    opts.pop("prior_family", None)
+    return ", ".join(f"{k}={v}" for k, v in sorted(opts.items())) or "the defaults"
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    return sum(r[key] for r in rows) / len(rows) if rows else None
+
+
+def _traits_table(priors, tasks, cells) -> list[str]:
+    """Per cell, what distinguishes it (``study.traits``): the unforced models' prior, how local and how
+    strong, when their circuit forms, beside the fade's window and what it keeps; "–" where a cell's
+    verdicts predate the traits."""
+    md = ["| prior | task | chosen configuration | locality (no prior) | strength | circuit forms at, per seed | "
+          "fade window | fade zero-gate |", "|---|---|---|---|---|---|---|---|"]
+    for p in priors:
+        for t in tasks:
+            b = cells.get((p, t))
+            tr = (b or {}).get("traits")
+            if not tr:
+                md.append(f"| {p} | {t} | " + ("not run | " if b is None else f"{_options(b)} | ") + "– | – | – | – | "
+                          + (_f(b.get("fade_zero")) if b else "–") + " |")
+                continue
+            seeds = tr["seeds"]
+            forms = ", ".join("never" if x["formation_step"] is None else str(x["formation_step"]) for x in seeds)
+            md.append(f"| {p} | {t} | {_options(b)} | {_f(_mean(seeds, 'locality'))} ({_f(_mean(seeds, 'uniform'))}) | "
+                      f"{_f(_mean(seeds, 'strength'))} | {forms or '–'} | {tr['fade_window'][0]}-{tr['fade_window'][1]} | "
+                      f"{_f(b.get('fade_zero'))} |")
+    return md
+
+
 def write_atlas(doc) -> Path:
     """Write ``doc`` (docs/ATLAS.md) and ``atlas/atlas.png`` from ``atlas/`` beside it (``read_atlas``);
     the same files give the same document, byte for byte."""
@@ -165,6 +199,16 @@ def write_atlas(doc) -> Path:
             by = {c["name"]: c for c in b["claims"]}
             md.append(f"| {p} | {t} | {_f(b['ceiling'])} | `{b['record'][:12]}` | {_f(b.get('fade_zero'))} | "
                       + " | ".join(_claim_cell(by.get(n)) for n in claims) + " |")
+    md += ["", "## What distinguishes the cells", "",
+           "The trained unforced models (one per seed) at their own gates (`softprior.study.traits`): how local "
+           "the prior is (*locality*: the attention the gated prior alone gives a query's own and previous key, "
+           "beside what no prior gives at this length), how strong (*strength*: the range of g_pos B^pos over a "
+           "query's keys, in logits; `analysis.mechanism.prior_profile`), and the step at which the circuit forms "
+           "(the normal metric past the study's \"learns\" level), beside the fade's window at the cell's budget "
+           "and what the fade keeps at zero gate.", "", *_traits_table(priors, tasks, cells)]
+    notes = d / "NOTES.md"
+    if notes.is_file():
+        md += ["", "## Notes", "", notes.read_text().strip()]
     md += ["", "## Figure", "", f"![atlas]({rel})", "",
            f"*{rel}*: per task, each prior (row) and claim (column) coloured by its verdict; in the 'fade keeps' "
            "column, the fade's zero-gate metric (mean over seeds).", "",
