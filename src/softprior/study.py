@@ -408,7 +408,7 @@ def write_verdicts(plan: StudyPlan, store, rec: dict, chosen, claims: list[Paper
             "chance": _num(levels[1]),
             "ceiling": _num(levels[2]), "record": rec["hash"], "registered_at": rec.get("registered_at"),
             "preregistered_at": prereg.get("written_at"), "first_prediction_row_at": _utc(first),
-            "candidate": chosen.cid, "task_options": rec.get("task_options"), "model_options": rec.get("model_options"),
+            "candidate": chosen.cid, "candidate_label": chosen.label, "task_options": rec.get("task_options"), "model_options": rec.get("model_options"),
             "fade_zero": _num(fade) if fade is not None else None, "paths": paths, "claims": out,
             "format": VERDICTS_FORMAT, "traits": traits(plan, store, main_rows, levels)}
     f = plan.dir / "verdicts.json"

@@ -128,7 +128,10 @@ def _figure(path: Path, priors, tasks, claims, cells) -> None:
 
 
 def _options(b: dict) -> str:
-    """The cell's chosen configuration, compactly: its record's task and model options but the family."""
+    """The cell's chosen configuration: its search's axes at the chosen candidate (the label), else its
+    record's task and model options but the family."""
+    if b.get("candidate_label"):
+        return b["candidate_label"]
     opts = {**(b.get("task_options") or {}), **(b.get("model_options") or {})}
     opts.pop("prior_family", None)
     return ", ".join(f"{k}={v}" for k, v in sorted(opts.items())) or "the defaults"
