@@ -29,6 +29,12 @@ def atlas(tmp_path_factory):
     return tmp, store, doc, plans, logs
 
 
+def plan_context(plan) -> int:
+    """The context length of the cell's task at its record's options (what its validation batch reads)."""
+    from softprior.config import make_run_config
+    return make_run_config(plan.task, "unforced", 0, model_options={"prior_family": plan.prior}).model.n_ctx
+
+
 def _cli(tmp, *extra):
     return main(["atlas", "--priors", ",".join(PRIORS), "--tasks", ",".join(TASKS), *TINY, "--store", str(tmp / "runs"),
                  "--out", str(tmp / "atlas"), "--doc", str(tmp / "docs" / "ATLAS.md"), "--group", "8", *extra])
@@ -51,8 +57,9 @@ def test_a_tiny_atlas_runs_every_cell_and_writes_the_document(atlas):
         tr = v["traits"]
         assert v["format"] == 2 and 0 <= tr["fade_window"][0] < tr["fade_window"][1] <= 4
         (one,) = tr["seeds"]
-        assert one["seed"] == 0 and 0 < one["uniform"] <= one["locality"] + 1 and 0 <= one["locality"] <= 1
-        assert one["strength"] >= 0
+        T = plan_context(plan)
+        assert one["seed"] == 0 and one["uniform"] == pytest.approx(sum(2 / (i + 1) for i in range(1, T)) / (T - 1))
+        assert 0 <= one["locality"] <= 1 and one["strength"] >= 0
     text = doc.read_text()
     assert "2 of 2 cell(s) run" in text and "| soft | assoc_recall |" in text and "| alibi | assoc_recall |" in text
     assert "| prior | task | ceiling | record | fade zero-gate | prior helps | unforced relies | fade keeps |" in text
@@ -64,7 +71,7 @@ def test_a_cell_an_older_version_wrote_is_rewritten_without_training(atlas, caps
     tmp, store, doc, plans, _ = atlas
     plan = plans[0]
     old = json.loads((plan.dir / "verdicts.json").read_text())
-    legacy = {k: v for k, v in old.items() if k not in ("format", "traits")}
+    legacy = {k: v for k, v in old.items() if k not in ("format", "traits", "candidate_label")}
     for f in (plan.dir / "verdicts.json", doc.parent / "atlas" / "cells" / f"assoc_recall-{plan.prior}.json"):
         f.write_text(json.dumps(legacy))
     before = len(store.rows())
@@ -75,6 +82,17 @@ def test_a_cell_an_older_version_wrote_is_rewritten_without_training(atlas, caps
     assert "cell 2/2: alibi x assoc_recall: finished before (" in out and len(store.rows()) == before
     cell = json.loads((doc.parent / "atlas" / "cells" / f"assoc_recall-{plan.prior}.json").read_text())
     assert cell["traits"] == old["traits"] and cell["claims"] == old["claims"]
+    # read against a store that does not hold its record, an older cell is kept as it is: nothing trains
+    for f in (plan.dir / "verdicts.json", doc.parent / "atlas" / "cells" / f"assoc_recall-{plan.prior}.json"):
+        f.write_text(json.dumps(legacy))
+    capsys.readouterr()
+    assert _cli(tmp, "--store", str(tmp / "other-runs")) == 0
+    out = capsys.readouterr().out
+    assert "cell 1/2: soft x assoc_recall: finished before (" in out and "rewritten" not in out
+    assert "traits" not in json.loads((plan.dir / "verdicts.json").read_text())
+    assert not (tmp / "other-runs" / "runs").exists() or not any((tmp / "other-runs" / "runs").iterdir())
+    assert _cli(tmp) == 0  # and rewritten again where its store is
+    assert json.loads((plan.dir / "verdicts.json").read_text())["traits"] == old["traits"]
 
 
 def test_running_it_again_trains_nothing(atlas, capsys):

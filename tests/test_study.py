@@ -179,7 +179,7 @@ def test_the_map_trains_no_more_candidates_than_its_limit(plugins, tmp_path):
     plan, store, n_paths = _study("second_occurrence", "soft", tmp_path, resume=False, budget=2, map_limit=0)
     assert len(store.rows()) == n_paths + 2
     text = (plan.dir / "REPORT.md").read_text()
-    assert "Only the chosen candidate is mapped" in text and "on the 0 nearest other candidate(s)" in text
+    assert "Only the chosen candidate is mapped (`--map 0`)" in text and "on the 0 nearest other candidate(s)" in text
     assert json.loads((plan.dir / "verdicts.json").read_text())["map_limit"] == 0
     with pytest.raises(StudyError, match="map_limit"):
         run_study(_tiny("second_occurrence", "soft", tmp_path, budget=2, map_limit=1), store, log=lambda m: None)

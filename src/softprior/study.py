@@ -246,7 +246,7 @@ def _check_state(plan: StudyPlan, space: SearchSpace) -> None:
              "paths": [list(p) for p in plan.paths]}
     f = plan.dir / "study.json"
     if f.exists():
-        old = json.loads(f.read_text())
+        old = {**_LEGACY, **json.loads(f.read_text())}
         if old != state:
             diff = sorted(k for k in state if old.get(k) != state[k])
             raise StudyError(f"study {plan.name!r} in {str(plan.dir)!r} was started with other settings "
@@ -280,11 +280,14 @@ def _preregister(plan: StudyPlan, rec: dict, levels: tuple, claims: list[PaperCl
     return body
 
 
-def _execute(plan: StudyPlan, store, cfgs, log, registered: bool = True) -> None:
+def _execute(plan: StudyPlan, store, cfgs, log, registered: bool = True, train: bool = True) -> None:
     """Train ``cfgs``; ``registered=False`` for the robustness map, whose other candidates no record
     covers (as ``calibration.robustness.run_robustness``: the map comes after the registration and
-    never feeds back into the choice)."""
+    never feeds back into the choice); ``train=False``: StudyError if any is not in the store yet."""
     from .executors.sweep import execute
+    if not train and any(not store.is_done(c.run_id) for c in cfgs):
+        missing = sum(not store.is_done(c.run_id) for c in cfgs)
+        raise StudyError(f"study {plan.name}: {missing} of its runs are not in this store, and nothing may train")
     if not cfgs:
         return
     rep = execute(cfgs, store, executor=plan.executor, workers=plan.workers, group_size=plan.group_size,
@@ -293,8 +296,9 @@ def _execute(plan: StudyPlan, store, cfgs, log, registered: bool = True) -> None
         raise StudyError(f"study: {len(rep.failed)} run(s) failed: {rep.failed[0][1][:300]}")
 
 
-def run_study(plan: StudyPlan, store, log=print) -> Path:
-    """Every stage (module docstring); returns the report's path."""
+def run_study(plan: StudyPlan, store, log=print, train: bool = True) -> Path:
+    """Every stage (module docstring); returns the report's path. ``train=False``: a finished study's
+    report and verdicts written again from its runs, StudyError where a path's run is missing."""
     from .reports.calibration_doc import register, registered_record
     from .calibration.robustness import mapped
     from .calibration.search import complete_nearest, run_search
@@ -323,11 +327,12 @@ def run_study(plan: StudyPlan, store, log=print) -> Path:
     seeds = list(range(plan.seeds))
     main_rows = row_configs(space, chosen, plan, seeds, snapshots=True)
     log(f"study {plan.name}: 3/5 paths ({len(main_rows)} runs on candidate {chosen.cid})")
-    _execute(plan, store, [cfg for _, _, cfg in main_rows], log)
+    _execute(plan, store, [cfg for _, _, cfg in main_rows], log, train=train)
     others = [c for c in mapped(space, cands, limit=plan.map_limit + 1) if c.cid != chosen.cid][:plan.map_limit]
     map_rows = {c.cid: row_configs(space, c, plan, seeds) for c in others}
     log(f"study {plan.name}: 4/5 robustness map ({len(others)} other candidate(s))")
-    _execute(plan, store, [cfg for rows in map_rows.values() for _, _, cfg in rows], log, registered=False)
+    _execute(plan, store, [cfg for rows in map_rows.values() for _, _, cfg in rows], log, registered=False,
+             train=train)
     log(f"study {plan.name}: 5/5 report")
     from .reports.study import write_report
     report = write_report(plan, store, space, cands, rec, chosen, claims, levels, main_rows,
@@ -483,6 +488,7 @@ def atlas_plans(priors: list[str], tasks: list[str], **study) -> list[StudyPlan]
 
 
 _CELL_KEYS = ("task", "prior", "steps", "seeds", "budget", "map_limit", "quick")
+_LEGACY = {"map_limit": MAP_LIMIT}  # what a study or cell written before a setting existed ran with
 
 
 def cell_finished(plan: StudyPlan, copy: Path | None = None) -> Path | None:
@@ -491,9 +497,17 @@ def cell_finished(plan: StudyPlan, copy: Path | None = None) -> Path | None:
     for f in (plan.dir / "verdicts.json", copy):
         if f is not None and f.is_file():
             body = json.loads(f.read_text())
-            if all(body.get(k) == getattr(plan, k) for k in _CELL_KEYS):
+            if all(body.get(k, _LEGACY.get(k)) == getattr(plan, k) for k in _CELL_KEYS):
                 return f
     return None
+
+
+def _rewritable(plan: StudyPlan, store, done: Path) -> bool:
+    """Whether a finished cell's verdicts are in an older format (below ``VERDICTS_FORMAT``) and can be
+    written again from its runs: its study directory is here and its record is in this store."""
+    body = json.loads(done.read_text())
+    return (body.get("format", 1) < VERDICTS_FORMAT and (plan.dir / "study.json").is_file()
+            and body.get("record") in {r["hash"] for r in store.calibration_records()})
 
 
 def run_atlas(plans: list[StudyPlan], store, cells_dir: Path, on_cell=None, log=print) -> list[Path]:
@@ -510,11 +524,13 @@ def run_atlas(plans: list[StudyPlan], store, cells_dir: Path, on_cell=None, log=
         tag = f"cell {i}/{len(plans)}: {plan.prior} x {plan.task}"
         copy = cells_dir / f"{plan.task}-{plan.prior}.json"
         done = cell_finished(plan, copy)
-        stale = done is not None and json.loads(done.read_text()).get("format", 1) < VERDICTS_FORMAT
-        if stale and (plan.dir / "study.json").is_file():
-            log(f"{tag}: finished before; its verdicts rewritten in this version's format from the store (no training)")
-            run_study(plan, store, log=lambda m: None)
-            done = plan.dir / "verdicts.json"
+        if done is not None and _rewritable(plan, store, done):
+            log(f"{tag}: finished before; its verdicts rewritten in this version's format from its runs in the store")
+            try:
+                run_study(plan, store, log=lambda m: log(f"  {m}"), train=False)
+                done = plan.dir / "verdicts.json"
+            except StudyError as e:
+                log(f"{tag}: kept as an older version wrote it ({e})")
         elif done:
             log(f"{tag}: finished before ({done}), not rerun")
         else:

@@ -240,6 +240,23 @@ def test_prior_profile_by_hand():
     assert zero["locality"] == pytest.approx(5 / 6, abs=1e-6) and zero["strength"] == 0.0
 
 
+def test_prior_profile_reads_every_soft_layer_and_each_heads_gate():
+    """Two layers of two heads, the soft table zero but on layer 1, head 0 (2 ln 3 at offset 0; zero
+    init, so prior_layers is (0,): the table of layer 1 trains all the same). At g = .5 everywhere, that
+    head gives the case above (.9, ln 3) and the other three give no prior's (5/6, 0): the means over the
+    four are (3 x 5/6 + .9) / 4 and ln 3 / 4. That head's gate at 0 leaves no prior anywhere."""
+    m = _zeroed(ModelConfig(n_layers=2, n_heads=2, d_model=8, n_ctx=8, vocab=5, content_rank=1, prior_init="zero",
+                            gate_granularity="head"))
+    with torch.no_grad():
+        m.blocks[1].attn.pos_bias[0, 0] = 2 * math.log(3)
+    x = torch.zeros(1, 3, dtype=torch.long)
+    prof = A.prior_profile(m, x, gate_pos=torch.full((2, 2), 0.5))
+    assert prof["locality"] == pytest.approx((3 * 5 / 6 + 0.9) / 4, abs=1e-6)
+    assert prof["strength"] == pytest.approx(math.log(3) / 4, abs=1e-6)
+    off = A.prior_profile(m, x, gate_pos=torch.tensor([[0.5, 0.5], [0.0, 0.5]]))
+    assert off["locality"] == pytest.approx(5 / 6, abs=1e-6) and off["strength"] == 0.0
+
+
 def test_induction_score():
     n = 6
     m = positional_model({0: n - 1, 1: 1})

@@ -239,7 +239,9 @@ def induction_score(model: SoftPriorTransformer, inputs: torch.Tensor | None = N
 # ------------------------------------------------------------------------------------ traces
 def prior_profile(model: SoftPriorTransformer, inputs: torch.Tensor, gate_pos=None) -> dict:
     """How local and how strong the positional prior is as the model applies it (docs/STUDY.md, "The
-    atlas"): per layer of ``cfg.prior_layers`` and head, the gated bias g_pos B^pos (``hook_pos_bias``,
+    atlas"): per layer that carries B^pos (the soft prior's table: every layer, trained from its
+    initialisation, zero outside ``prior_layers``; another family: ``prior_layers``, the others have no
+    bias) and head, the gated bias g_pos B^pos (``hook_pos_bias``,
     at the model's own gate unless ``gate_pos`` forces one) read over each query's causal keys j <= i:
 
     - locality: the attention the gated prior alone would give (softmax over j of g_pos B^pos_ij) on the
@@ -249,7 +251,8 @@ def prior_profile(model: SoftPriorTransformer, inputs: torch.Tensor, gate_pos=No
     each the mean over queries i >= 1, heads and those layers. ``inputs``: one batch the model reads
     (only its length matters; B^pos is the same for every example). {"locality", "strength",
     "uniform"}: ``uniform``, the locality of no prior at this length."""
-    layers = [_check_layer(model, l) for l in model.cfg.prior_layers] if model.cfg.prior else []
+    layers = [l for l in range(model.cfg.n_layers) if model.cfg.prior and (
+        model.blocks[l].attn.prior_module is None or l in model.cfg.prior_layers)]  # the soft table: every layer
     names = [f"blocks.{l}.attn.hook_pos_bias" for l in layers]
     _, cache = _run(model, inputs[:1], names, gate_pos=gate_pos)
     g, _ = model.gates(gate_pos)

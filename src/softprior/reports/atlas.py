@@ -138,7 +138,8 @@ def _options(b: dict) -> str:
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
-    return sum(r[key] for r in rows) / len(rows) if rows else None
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 def _traits_table(priors, tasks, cells) -> list[str]:
@@ -156,7 +157,8 @@ def _traits_table(priors, tasks, cells) -> list[str]:
                           + (_f(b.get("fade_zero")) if b else "–") + " |")
                 continue
             seeds = tr["seeds"]
-            forms = ", ".join("never" if x["formation_step"] is None else str(x["formation_step"]) for x in seeds)
+            forms = ("n/a (not an accuracy)" if b.get("metric") != "acc" else
+                     ", ".join("never" if x["formation_step"] is None else str(x["formation_step"]) for x in seeds))
             md.append(f"| {p} | {t} | {_options(b)} | {_f(_mean(seeds, 'locality'))} ({_f(_mean(seeds, 'uniform'))}) | "
                       f"{_f(_mean(seeds, 'strength'))} | {forms or '–'} | {tr['fade_window'][0]}-{tr['fade_window'][1]} | "
                       f"{_f(b.get('fade_zero'))} |")

@@ -177,7 +177,8 @@ def write_report(plan, store, space, cands, rec, chosen, claims, levels, main_ro
           "## 4. The robustness map", "",
           f"The paths on the {plan.map_limit} nearest other candidate(s) at most (`--map`).", "",
           _map_table(claims, chosen, main, mapped) if mapped else
-          "Only the chosen candidate is mapped (no other passing, or completed nearest, candidate).", "",
+          "Only the chosen candidate is mapped (" + ("`--map 0`" if plan.map_limit == 0 else
+                                                   "no other passing, or completed nearest, candidate") + ").", "",
           "## 5. Figures", "", *_figures(plan, store, main_rows, levels), "",
           "## 6. The mechanism trace (fade, zero gate)", "", _mechanism(plan, store, main_rows), ""]
     f = plan.dir / "REPORT.md"
