@@ -138,6 +138,11 @@ def test_answer_mask_assoc_recall():
     x = torch.tensor([[0, 0, 1, 5, 3, 7, 3], [0, 0, 2, 4, 1, 6, 2]])
     mask = A.answer_mask(task, Batch(x, torch.tensor([7, 4])))
     assert mask.tolist() == [[False] * 5 + [True, False], [False, False, False, True, False, False, False]]
+    # two queries [.. q1 q2]: targets [B, 2], the mask marks the final query's answer, read at the end
+    two = make_task(AssocRecallConfig(n_pairs=2, vocab=8, n_keys=3, n_queries=2))
+    x2 = torch.tensor([[0, 1, 5, 3, 7, 1, 3], [0, 2, 4, 1, 6, 1, 2]])
+    mask2 = A.answer_mask(two, Batch(x2, torch.tensor([[5, 7], [6, 4]])))
+    assert mask2.tolist() == [[False] * 4 + [True, False, False], [False, False, True] + [False] * 4]
 
 
 def test_answer_mask_markov():

@@ -279,8 +279,10 @@ class AssocRecall(_TokenTask):
 
     def answer_mask(self, batch: Batch) -> torch.Tensor:
         """The position of the target value v_i in the context (exactly one: values are distinct and
-        disjoint from keys; the final query position is excluded)."""
-        mask = batch.inputs == batch.targets[:, None]
+        disjoint from keys; the final query position is excluded). With several queries, the final
+        one's (targets [B, Q]: its last column), the answer the final position reads."""
+        target = batch.targets if batch.targets.dim() == 1 else batch.targets[:, -1]
+        mask = batch.inputs == target[:, None]
         mask[:, -1] = False
         return _answer_in_context(mask)
 
