@@ -3,11 +3,13 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from softprior.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
 PRIORS, TASKS = ["soft", "alibi"], ["assoc_recall"]
 TINY = ["--quick", "--steps", "4", "--seeds", "1", "--budget", "1"]
 
@@ -136,3 +138,16 @@ def test_bad_names_are_refused_naming_the_allowed_ones(tmp_path, capsys):
     assert "unknown prior 'nope'" in err[0] and "allowed: soft, alibi, t5" in err[0]
     assert "unknown task 'sorting'" in err[1] and "allowed: assoc_recall, markov" in err[1]
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ATLAS.md").exists()
+
+
+def test_the_committed_atlas_regenerates_from_its_files(tmp_path):
+    """docs/ATLAS.md, as committed, is what `softprior atlas --report-only` writes from docs/atlas/ alone."""
+    doc = ROOT / "docs" / "ATLAS.md"
+    if not doc.is_file():
+        pytest.skip("no atlas committed")
+    copy = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs" / "atlas", copy / "atlas")
+    (copy / "atlas" / "atlas.png").unlink(missing_ok=True)
+    assert main(["atlas", "--report-only", "--doc", str(copy / "ATLAS.md")]) == 0
+    assert (copy / "ATLAS.md").read_text() == doc.read_text()
+    assert (copy / "atlas" / "atlas.png").stat().st_size > 0

@@ -69,7 +69,8 @@ __all__ = ["calibration_key", "shipped_records", "all_shipped_records", "find_re
 # identification rows' paths (tiers.py): a constant or learned gate, or no prior; they need no record
 DIFFICULTY_PATHS = {"unforced", "forced_zero", "forced_const0.5", "soft_pos_only", "soft_content_only"}
 _INIT_FIELDS = ("embed_init_std", "content_rank", "content_init_std", "gate_granularity", "gate_logit_init",
-                "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "prior_family", "norm", "attn_scale")
+                "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "prior_family", "prior_gain", "norm",
+                "attn_scale")
 _ROW_FIELDS = {"p"}  # task options that differ between the rows of one candidate
 
 HASH_SCHEME = 2  # the scheme calibration.register.make_record writes
@@ -84,7 +85,7 @@ LATER_DEFAULTS = {
     "task": {"layout": "disjoint", "n_queries": 1, "loss_on": ("last", "final"), "placement": "packed",
              "query": "distinct", "n_points": None, "keys": "distinct", "repeat_target": "uniform",
              "answer": "successor", "format": "interleaved", "w_scale": "unit", "noise": 0.0},
-    "model": {"prior_cap": 8.0, "pos_beyond": "clip", "prior_family": "soft", "norm": "pre",
+    "model": {"prior_cap": 8.0, "pos_beyond": "clip", "prior_family": "soft", "prior_gain": 1.0, "norm": "pre",
               "attn_scale": "inverse_sqrt"},
 }
 

@@ -172,7 +172,9 @@ def _task_space(task: str) -> dict:
     return {"task": task}
 
 
-_SOFT_ONLY = {"model.prior_init", "model.prior_cap", "model.pos_beyond"}  # the paper's table's own axes
+# the paper's table's own axes: inert under another family (its model reads none of them), so a search
+# over them would train one model under several run ids; a family that reads one declares it in its axes
+_SOFT_ONLY = {"model.prior_init", "model.prior_cap", "model.pos_beyond", "model.prior_scale"}
 
 
 def study_space(plan: StudyPlan, criteria: list[Criterion]) -> SearchSpace:

@@ -251,6 +251,16 @@ def test_every_registered_prior_family_on_the_fast_path_matches_the_readable_mod
     assert all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in own)
 
 
+@pytest.mark.parametrize("family", ["alibi", "t5"])
+def test_a_family_at_another_strength_on_the_fast_path_matches_the_readable_model(family):
+    """prior_gain (the family's B^pos times 4 here) as the fast path applies it (``_family_bias``) and the
+    readable model does: the same logits and gradients, on the plain last layer and the re-associated one."""
+    for task in ("assoc_recall", "markov-determined"):
+        cfgs, models = _random_models(task, "head", 2, prior_family=family, prior_layers=[0, 1], prior_gain=4.0)
+        assert cfgs[0].model.prior_gain == 4.0 and supports(cfgs[0].model)
+        _assert_learned_gates_match(cfgs, models, missing_is_zero=True)
+
+
 def test_a_plugin_family_on_the_fast_path_matches_and_one_that_replaces_b_content_does_not_run_there():
     import torch.nn as nn
     from softprior.model.fastpath import engine

@@ -506,3 +506,17 @@ def test_attention_scale_multiplies_q_k(scale, factor):
     s = factor * torch.einsum("bihe,bjhe->bhij", c[a + "hook_q"], c[a + "hook_k"]) \
         + 0.3 * c[a + "hook_pos_bias"][None] + 0.7 * c[a + "hook_content_bias"]
     torch.testing.assert_close(c[a + "hook_attn_scores"][..., causal], s[..., causal], atol=1e-4, rtol=1e-5)
+
+
+def test_prior_gain_multiplies_a_familys_bias_and_is_refused_for_the_soft_table():
+    """ALiBi on 4 heads: m_h = 2^(-2(h+1)), so head 0 puts -.25 |i - j| on each key; at prior_gain 4 the
+    bias of query 2 on key 0 is 4 x -.25 x 2 = -2 (head 0) and 4 x -(1/16) x 2 = -.5 (head 1)."""
+    x = tokens(1, 4)
+    name = "blocks.0.attn.hook_pos_bias"
+    b1 = make_model(prior_family="alibi").run_with_cache(x, names_filter=name)[1][name]
+    b4 = make_model(prior_family="alibi", prior_gain=4.0).run_with_cache(x, names_filter=name)[1][name]
+    assert b1[0, 2, 0].item() == pytest.approx(-0.5) and b4[0, 2, 0].item() == pytest.approx(-2.0)
+    assert b4[1, 2, 0].item() == pytest.approx(-0.5)
+    torch.testing.assert_close(b4, 4 * b1)
+    with pytest.raises(ValueError, match="prior_gain"):
+        ModelConfig(prior_gain=2.0)

@@ -55,6 +55,8 @@ class ModelConfig(BaseModel):
     positional: str = Field("none", description="static positional scheme (softprior.positional), or none")
     prior_family: str = Field("soft", description="the prior's B^pos family (softprior.model.priors): soft, the paper's "
                               "table, or a registered one")
+    prior_gain: float = Field(1.0, gt=0, description="a registered family's B^pos multiplied by this: its strength, "
+                              "as prior_scale sets the soft table's (1 for the soft prior)")
 
     @model_validator(mode="before")
     @classmethod
@@ -75,6 +77,9 @@ class ModelConfig(BaseModel):
         if self.prior_family != "soft":
             from .priors import prior_family
             prior_family(self.prior_family)  # UnknownPriorError (a ValueError) names the allowed families
+        elif self.prior_gain != 1.0:
+            raise ValueError(f"prior_gain={self.prior_gain} scales a registered family's B^pos; the soft prior's "
+                             "table takes prior_scale")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         bad = [l for l in self.prior_layers if not 0 <= l < self.n_layers]

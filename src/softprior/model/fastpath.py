@@ -237,10 +237,11 @@ def _family_bias(params: dict, cfg: ModelConfig, layer: int, K: int, qpos: torch
         raise ValueError(f"prior family of layer {layer}: parameters {sorted(own)} expected, got {sorted(sub)}")
     if not sub:  # no parameters (ALiBi, a layer without the prior): the same bias for every run
         out = mod(qpos, kpos)
-        return out[None].expand(K, *out.shape)
-    # the template's buffers (constants) stay; every parameter comes from the run
-    return torch.stack([functional_call(mod, {n: p[k] for n, p in sub.items()}, (qpos, kpos), strict=False)
-                        for k in range(K)])
+        out = out[None].expand(K, *out.shape)
+    else:  # the template's buffers (constants) stay; every parameter comes from the run
+        out = torch.stack([functional_call(mod, {n: p[k] for n, p in sub.items()}, (qpos, kpos), strict=False)
+                           for k in range(K)])
+    return out * cfg.prior_gain if cfg.prior_gain != 1.0 else out  # the family's strength, as the readable model
 
 
 def _with_family_biases(params: dict, cfg: ModelConfig, K: int, T: int) -> dict:

@@ -114,6 +114,13 @@ def build_prior(cfg, layer: int) -> nn.Module | None:
     return fam.build(cfg, layer)
 
 
+# the strengths a study searches for a built-in family (``ModelConfig.prior_gain``): its bias as the
+# scheme defines it, and 4 and 16 times that, as the soft table's search spans prior_scale .5-4 on an
+# initialisation whose offsets differ by up to prior_cap (8) logits where ALiBi's steepest head moves
+# .25 a position (docs/STUDY.md, "The atlas")
+GAINS = (1.0, 4.0, 16.0)
+
+
 def _scheme_prior(scheme: str):
     def build(cfg, layer):
         from ..positional import make_scheme
@@ -127,4 +134,5 @@ PRIORS.register("soft", PriorFamily("soft", None, "the paper's learned B^pos tab
 for _name, _what in (("alibi", "ALiBi's fixed slopes -m_h|i-j|"), ("t5", "T5's learned bucketed bias"),
                      ("kerple_log", "Kerple's learned -r1 log(1 + r2|i-j|)"),
                      ("kerple_power", "Kerple's learned -r1 |i-j|^r2"), ("fire", "FIRE's MLP of the offset")):
-    register_prior(_name, _scheme_prior(_name), f"{_what} as B^pos under the gate (softprior.positional)")
+    register_prior(_name, _scheme_prior(_name), f"{_what} as B^pos under the gate (softprior.positional)",
+                   axes={"model.prior_gain": list(GAINS)})

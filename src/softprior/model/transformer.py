@@ -181,6 +181,8 @@ class Attention(nn.Module):
                 b_pos = b_pos.masked_fill(rel >= cfg.n_ctx, 0.0)
         else:  # a registered family's B^pos_h(i, j) (softprior.model.priors)
             b_pos = self.prior_module.bias(qpos, kpos).to(x.dtype)
+            if cfg.prior_gain != 1.0:  # the family's strength (ModelConfig.prior_gain)
+                b_pos = b_pos * cfg.prior_gain
         b_pos = hk(pre + "hook_pos_bias", b_pos)  # (H, Tq, T)
         u = u.view(B, Tq, H, r).transpose(1, 2)  # (B, H, Tq, r)
         w = w.view(B, T, H, r).transpose(1, 2)  # (B, H, T, r)
