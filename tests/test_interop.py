@@ -197,6 +197,13 @@ def test_static_positional_baselines_are_refused():
         to_hooked_transformer(m)
 
 
+def test_models_of_another_prior_family_are_refused():
+    """The export carries the soft prior's table; a family's B^pos is its own code, so it is refused."""
+    m = SoftPriorTransformer(ModelConfig(n_ctx=NCTX, vocab=VOCAB, prior_family="alibi"))
+    with pytest.raises(ValueError, match="prior family 'alibi'"):
+        to_hooked_transformer(m)
+
+
 def test_cli_export_of_a_stored_run(tmp_path, capsys):
     from softprior.cli import main
     from softprior.store import RunStore

@@ -79,6 +79,9 @@ def _check_token_model(cfg: ModelConfig):
     if cfg.norm != "pre":
         raise ExportError(f"TransformerLens export supports pre-LayerNorm models only, not norm={cfg.norm!r} "
                           "(the content prior reads each block's ln1)")
+    if getattr(cfg, "prior_family", "soft") != "soft":
+        raise ExportError(f"TransformerLens export carries the soft prior's table only, not prior family "
+                          f"{cfg.prior_family!r} (its B^pos is the family's code, which the export does not hold)")
 
 
 def tl_config_dict(cfg: ModelConfig, n_ctx: int | None = None, dtype: torch.dtype = torch.float32) -> dict:
