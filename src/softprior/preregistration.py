@@ -69,8 +69,8 @@ __all__ = ["calibration_key", "shipped_records", "all_shipped_records", "find_re
 # identification rows' paths (tiers.py): a constant or learned gate, or no prior; they need no record
 DIFFICULTY_PATHS = {"unforced", "forced_zero", "forced_const0.5", "soft_pos_only", "soft_content_only"}
 _INIT_FIELDS = ("embed_init_std", "content_rank", "content_init_std", "gate_granularity", "gate_logit_init",
-                "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "prior_family", "prior_gain", "norm",
-                "attn_scale")
+                "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "prior_family", "prior_gain",
+                "norm", "attn_scale")
 _ROW_FIELDS = {"p"}  # task options that differ between the rows of one candidate
 
 HASH_SCHEME = 2  # the scheme calibration.register.make_record writes

@@ -41,7 +41,8 @@ from .claims import Cond, PaperClaim, verdicts
 
 __all__ = ["StudyPlan", "run_study", "study_claims", "default_criteria", "study_space", "STUDY_PATHS",
            "StudyError", "write_verdicts", "atlas_names", "atlas_plans", "cell_finished", "run_atlas",
-           "ATLAS_TASKS", "ATLAS_SEEDS", "ATLAS_MAP", "VERDICTS_FORMAT", "traits", "MAP_LIMIT", "KEEP", "ANNEAL", "FAIL", "POSTHOC", "MARGIN"]
+           "ATLAS_TASKS", "ATLAS_SEEDS", "ATLAS_MAP", "VERDICTS_FORMAT", "traits", "MAP_LIMIT", "KEEP", "ANNEAL",
+           "FAIL", "POSTHOC", "MARGIN"]
 
 # the paper's paths (Sec. 4) as the study trains them: (row label, path name at the paper's 3,600 steps)
 STUDY_PATHS = [("unforced", "unforced"), ("forced_zero", "forced_zero"), ("forced_const0.5", "forced_const0.5"),
@@ -287,8 +288,8 @@ def _execute(plan: StudyPlan, store, cfgs, log, registered: bool = True, train: 
     covers (as ``calibration.robustness.run_robustness``: the map comes after the registration and
     never feeds back into the choice); ``train=False``: StudyError if any is not in the store yet."""
     from .executors.sweep import execute
-    if not train and any(not store.is_done(c.run_id) for c in cfgs):
-        missing = sum(not store.is_done(c.run_id) for c in cfgs)
+    missing = 0 if train else sum(not store.is_done(c.run_id) for c in cfgs)
+    if missing:
         raise StudyError(f"study {plan.name}: {missing} of its runs are not in this store, and nothing may train")
     if not cfgs:
         return
@@ -371,16 +372,15 @@ def traits(plan: StudyPlan, store, main_rows, levels: tuple) -> dict:
     from .paths import get_path
     from .tasks.generators import make_task
     metric, chance, ceiling = levels
+    learns = _level(chance, ceiling, LEARNS)
     fade = _at_budget(get_path(dict(plan.paths)["fade600"]), plan.steps).pos.schedule
-    out = {"fade_window": [fade.start_step, fade.end_step], "learns_level": _num(_level(chance, ceiling, LEARNS)),
-           "seeds": []}
+    out = {"fade_window": [fade.start_step, fade.end_step], "learns_level": _num(learns), "seeds": []}
     for label, seed, cfg in main_rows:
         if label != "unforced" or not store.is_done(cfg.run_id):
             continue
         _, model = store.load_model(cfg.run_id)
         prof = prior_profile(model, cfg.validation_batch(make_task(cfg.task), n=1).inputs)
-        forms = formation_step(store.metrics(cfg.run_id), metric, _level(chance, ceiling, LEARNS)) \
-            if metric == "acc" else None
+        forms = formation_step(store.metrics(cfg.run_id), metric, learns) if metric == "acc" else None
         out["seeds"].append({"seed": seed, "formation_step": forms, **{k: _num(v) for k, v in prof.items()}})
     return out
 
@@ -412,10 +412,11 @@ def write_verdicts(plan: StudyPlan, store, rec: dict, chosen, claims: list[Paper
                     "conditions": conds})
     body = {"study": plan.name, "task": plan.task, "prior": plan.prior, "steps": plan.steps, "seeds": plan.seeds,
             "budget": plan.budget, "map_limit": plan.map_limit, "quick": plan.quick, "metric": levels[0],
-            "chance": _num(levels[1]),
-            "ceiling": _num(levels[2]), "record": rec["hash"], "registered_at": rec.get("registered_at"),
+            "chance": _num(levels[1]), "ceiling": _num(levels[2]), "record": rec["hash"],
+            "registered_at": rec.get("registered_at"),
             "preregistered_at": prereg.get("written_at"), "first_prediction_row_at": _utc(first),
-            "candidate": chosen.cid, "candidate_label": chosen.label, "task_options": rec.get("task_options"), "model_options": rec.get("model_options"),
+            "candidate": chosen.cid, "candidate_label": chosen.label, "task_options": rec.get("task_options"),
+            "model_options": rec.get("model_options"),
             "fade_zero": _num(fade) if fade is not None else None, "paths": paths, "claims": out,
             "format": VERDICTS_FORMAT, "traits": traits(plan, store, main_rows, levels)}
     f = plan.dir / "verdicts.json"
@@ -527,7 +528,8 @@ def run_atlas(plans: list[StudyPlan], store, cells_dir: Path, on_cell=None, log=
         copy = cells_dir / f"{plan.task}-{plan.prior}.json"
         done = cell_finished(plan, copy)
         if done is not None and _rewritable(plan, store, done):
-            log(f"{tag}: finished before; its verdicts rewritten in this version's format from its runs in the store")
+            log(f"{tag}: finished before; its verdicts rewritten in this version's format from its runs in the "
+                "store")
             try:
                 run_study(plan, store, log=lambda m: log(f"  {m}"), train=False)
                 done = plan.dir / "verdicts.json"

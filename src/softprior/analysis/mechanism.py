@@ -262,10 +262,10 @@ def prior_profile(model: SoftPriorTransformer, inputs: torch.Tensor, gate_pos=No
     loc, rng = [], []
     for l, name in zip(layers, names):
         gb = g[l].detach()[:, None, None] * cache[name].detach().float()  # [H, T, T]
-        p = gb.masked_fill(~causal, float("-inf")).softmax(-1)
+        seen = gb.masked_fill(~causal, float("-inf"))  # each query's causal keys
+        p = seen.softmax(-1)
         loc.append((p[:, i, i] + p[:, i, i - 1]).mean())
-        rng.append((gb.masked_fill(~causal, float("-inf")).amax(-1)
-                    - gb.masked_fill(~causal, float("inf")).amin(-1))[:, 1:].mean())
+        rng.append((seen.amax(-1) - gb.masked_fill(~causal, float("inf")).amin(-1))[:, 1:].mean())
     uniform = float((2.0 / (i + 1.0)).mean())
     if not layers:
         return {"locality": uniform, "strength": 0.0, "uniform": uniform}

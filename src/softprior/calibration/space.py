@@ -36,7 +36,8 @@ __all__ = ["SearchSpace", "load_space", "shipped_spaces", "TASK_AXES", "MODEL_AX
 TASK_AXES = {"vocab", "n_pairs", "n_keys", "layout", "n_queries", "loss_on", "placement", "query", "d", "n_points",
              "keys", "repeat_target", "answer", "format", "w_scale", "noise"}
 MODEL_AXES = {"embed_init_std", "content_rank", "content_init_std", "gate_granularity", "gate_logit_init",
-              "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "prior_gain", "norm", "attn_scale"}
+              "prior_init", "prior_layers", "prior_scale", "prior_cap", "pos_beyond", "prior_gain", "norm",
+              "attn_scale"}
 
 
 MIN_SET = 10  # an identified set holds at least this many configurations unless its space says (``min_set``)

@@ -153,15 +153,14 @@ def _traits_table(priors, tasks, cells) -> list[str]:
             b = cells.get((p, t))
             tr = (b or {}).get("traits")
             if not tr:
-                md.append(f"| {p} | {t} | " + ("not run | " if b is None else f"{_options(b)} | ") + "– | – | – | – | "
-                          + (_f(b.get("fade_zero")) if b else "–") + " |")
+                what, fade = ("not run", "–") if b is None else (_options(b), _f(b.get("fade_zero")))
+                md.append(f"| {p} | {t} | {what} | – | – | – | – | {fade} |")
                 continue
-            seeds = tr["seeds"]
+            seeds, (start, end) = tr["seeds"], tr["fade_window"]
             forms = ("n/a (not an accuracy)" if b.get("metric") != "acc" else
                      ", ".join("never" if x["formation_step"] is None else str(x["formation_step"]) for x in seeds))
-            md.append(f"| {p} | {t} | {_options(b)} | {_f(_mean(seeds, 'locality'))} ({_f(_mean(seeds, 'uniform'))}) | "
-                      f"{_f(_mean(seeds, 'strength'))} | {forms or '–'} | {tr['fade_window'][0]}-{tr['fade_window'][1]} | "
-                      f"{_f(b.get('fade_zero'))} |")
+            md.append(f"| {p} | {t} | {_options(b)} | {_f(_mean(seeds, 'locality'))} ({_f(_mean(seeds, 'uniform'))}) "
+                      f"| {_f(_mean(seeds, 'strength'))} | {forms or '–'} | {start}-{end} | {_f(b.get('fade_zero'))} |")
     return md
 
 
